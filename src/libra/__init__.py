@@ -1,0 +1,27 @@
+"""Libra: train PyTorch models in less memory.
+
+Profile one training step, plan under a byte budget which saved activations to keep and which to recompute, and
+apply the plan to every later step, on stock eager PyTorch.
+"""
+
+from libra.errors import BudgetInfeasibleError, LibraError, PlanFormatError, PlanMismatchError
+from libra.planner import plan
+from libra.planner.types import Decision, Plan
+from libra.profiler import profile
+from libra.profiler.types import Profile
+from libra.runtime import apply
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BudgetInfeasibleError",
+    "Decision",
+    "LibraError",
+    "Plan",
+    "PlanFormatError",
+    "PlanMismatchError",
+    "Profile",
+    "apply",
+    "plan",
+    "profile",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from libra.cli.main import main
+
+sys.exit(main())

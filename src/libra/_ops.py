@@ -1,0 +1,76 @@
+"""Facts about aten ops read from their schemas, cached per op overload. Shared by the profiler and the runtime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["OpInfo", "op_info", "arg_values", "tensors_in", "storage_key", "UNCOUNTED"]
+
+# NOTE [Uncounted ops]: checkpoint's own saved-tensor hook detaches every tensor it saves during a replay, so the
+# replay dispatches detach ops the forward never did. detach allocates nothing and is never worth saving: the
+# profiler and both region modes run it without counting it, so op indices agree between forward and replay.
+UNCOUNTED = frozenset({torch.ops.aten.detach.default})
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    name: str  # "aten.mm.default"
+    write_args: tuple[str, ...]  # arguments the schema declares as written (in-place and out=)
+    fresh_returns: tuple[bool, ...]  # per return: True when it does not alias an input
+    random: bool  # draws from a generator (torch.Tag.nondeterministic_seeded)
+    collective: bool
+
+
+_CACHE: dict[object, OpInfo] = {}
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
+
+
+def op_info(func) -> OpInfo:
+    """Returns the cached :class:`OpInfo` of an ``OpOverload``."""
+    info = _CACHE.get(func)
+    if info is None:
+        schema = func._schema
+        name = str(func)
+        info = OpInfo(
+            name=name,
+            write_args=tuple(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write),
+            fresh_returns=tuple(r.alias_info is None for r in schema.returns),
+            random=torch.Tag.nondeterministic_seeded in func.tags,
+            collective=name.split(".", 1)[0] in _COLLECTIVE_NAMESPACES,
+        )
+        _CACHE[func] = info
+    return info
+
+
+def arg_values(func, args, kwargs):
+    """Yields ``(argument name, value)`` for every argument of an op call, positional or keyword."""
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args):
+            yield arg.name, args[i]
+        elif arg.name in kwargs:
+            yield arg.name, kwargs[arg.name]
+
+
+def tensors_in(value):
+    """The tensors in an argument value: a tensor, or a list/tuple of (optional) tensors."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return tuple(v for v in value if isinstance(v, torch.Tensor))
+    return ()
+
+
+def storage_key(t: torch.Tensor) -> int | None:
+    """Identity of a tensor's storage while it is alive (the StorageImpl address), or None for storage-less tensors.
+
+    NOTE [Why decisions are per storage]: SDPA's q, k and v are three views of one storage, parameters arrive both as
+    Parameters and as ``t()`` views, and in-place ops return their input: only the storage says what memory is shared.
+    The key is the storage object's identity, never ``data_ptr`` (two storages can share an address over time, and
+    views of one storage have different data pointers).
+    """
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None

@@ -1,0 +1,1 @@
+"""The ``libra`` command line. Only the CLI prints; the library logs."""

@@ -1,0 +1,232 @@
+"""Which module calls can be checkpointed, and what recomputing each op inside them would free and cost.
+
+Pure Python over a :class:`~libra.profiler.types.Profile`; no torch.
+
+NOTE [Region model]: the region executor runs one module call under non-reentrant ``torch.utils.checkpoint``. In the
+forward, autograd then holds nothing from inside the region: a storage made there lives only while the region's own
+ops use it, unless its op is *saved* (kept in Libra's cache). At the first backward unpack of anything saved inside the
+region (``t_r``), the region's forward is replayed up to its last save; replayed storages that autograd saves live from
+``t_r`` to their eager free; cached ones and the region's inputs live until the region's last unpack (``l_r``), when
+the checkpoint frame dies. A storage that escapes the region (used or saved outside it) is always cached, so that the
+replay never makes a second copy of it, unless the region later changes it in place: then caching it would need a
+private copy alive from forward to backward, and replaying it costs a second copy only during the region's backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from libra.profiler.types import Profile
+
+__all__ = ["RegionInstance", "Unit", "analyse"]
+
+
+@dataclass
+class RegionInstance:
+    call_index: int  # index into profile.module_calls
+    start: int
+    end: int
+    t_r: int  # first unpack of a tensor saved inside (op index), -1 if never
+    l_r: int  # last unpack
+    stop: int  # replay runs ops [start, stop)
+    # storages produced inside, as parallel lists
+    sids: list[int] = field(default_factory=list)
+    producer: list[int] = field(default_factory=list)  # local op index
+    packed: list[bool] = field(default_factory=list)
+    fwd_end: list[int] = field(default_factory=list)  # last forward use inside the region
+    mutated_at: list[int] = field(default_factory=list)  # first later write inside the region, -1 if none
+    escapes: list[bool] = field(default_factory=list)  # used or saved outside the region
+    bwd_end: list[int] = field(default_factory=list)  # last unpack of what the region saved of it, -1 if none
+    external_inputs: list[int] = field(default_factory=list)  # non-static storages from before the region
+    packs: list[int] = field(default_factory=list)  # indices into profile.packs of what autograd saved inside
+
+
+@dataclass
+class Unit:
+    """All calls of one (module, call index) across root calls: they share one decision."""
+
+    module: str
+    call: int
+    instances: list[RegionInstance]
+    op_names: list[str]
+    op_seconds: list[float]  # per local op, summed over instances
+    fresh: list[bool]  # local op allocates a storage
+    forced_save: set[int]  # local ops whose outputs escape: always cached
+    candidates: list[int]  # local ops whose outputs autograd saves only inside: may be recomputed
+    candidate_bytes: dict[int, int]
+    protect: dict[int, list[str]]
+    input_shapes: list[list[int]]
+
+
+def _children(profile: Profile) -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for i, c in enumerate(profile.module_calls):
+        kids.setdefault(c.parent, []).append(i)
+    return kids
+
+
+def _select_calls(profile: Profile, fwd_ops: int) -> list[int]:
+    """Disjoint module calls to use as regions: the root's children, split while larger than a sixth of the forward."""
+    calls = profile.module_calls
+    kids = _children(profile)
+    limit = max(fwd_ops / 6.0, 1.0)
+    chosen: list[int] = []
+
+    def visit(i: int) -> None:
+        c = calls[i]
+        size = c.end_op - c.start_op
+        if kids.get(i) and (size > limit or len(kids[i]) == 1 and size > limit / 2):
+            for k in kids[i]:
+                visit(k)
+        elif size > 0:
+            chosen.append(i)
+
+    for i, c in enumerate(calls):
+        if c.parent == -1:
+            for k in kids.get(i, []):
+                visit(k)
+    return chosen
+
+
+def analyse(profile: Profile) -> tuple[list[Unit], dict[int, str]]:
+    """Finds the checkpointable regions of a profile.
+
+    Returns:
+        The decision units, and for module calls that were rejected, why (index into module_calls -> reason).
+    """
+    ops = profile.ops
+    n = len(ops)
+    first_bwd = next((i for i, o in enumerate(ops) if o.backward), n)
+    storages = profile.storages
+    fwd_uses: dict[int, list[int]] = {}
+    writes_at: dict[int, list[int]] = {}
+    for i, o in enumerate(ops):
+        if o.backward:
+            continue
+        for s in o.inputs:
+            fwd_uses.setdefault(s, []).append(i)
+        for s in o.writes:
+            writes_at.setdefault(s, []).append(i)
+    calls = profile.module_calls
+    kids = _children(profile)
+    packs_by_call: dict[int, list[int]] = {}
+    for pi, p in enumerate(profile.packs):
+        packs_by_call.setdefault(p.module_call, []).append(pi)
+
+    def packs_within(call: int) -> list[int]:
+        found, todo = [], [call]
+        while todo:
+            c = todo.pop()
+            found.extend(packs_by_call.get(c, []))
+            todo.extend(kids.get(c, []))
+        return sorted(found)
+
+    packs_by_storage: dict[int, list[int]] = {}
+    for pi, p in enumerate(profile.packs):
+        packs_by_storage.setdefault(p.storage, []).append(pi)
+
+    rejected: dict[int, str] = {}
+    units: dict[tuple[str, int], Unit] = {}
+    inconsistent: set[tuple[str, int]] = set()
+    for ci in _select_calls(profile, first_bwd):
+        c = calls[ci]
+        a, b = c.start_op, c.end_op
+        reason = ""
+        produced = [s for i in range(a, b) for s in ops[i].outputs]
+        produced_set = set(produced)
+        external = sorted({s for i in range(a, b) for s in ops[i].inputs} - produced_set)
+        protect: dict[int, list[str]] = {}
+        for i in range(a, b):
+            o = ops[i]
+            if o.collective:
+                reason = f"{o.name} is a collective and is never replayed"
+            elif o.backward:
+                reason = "a backward pass runs inside its forward"
+            for s in o.writes:
+                if s in produced_set:
+                    continue
+                if storages[s].static:
+                    names = list(o.undeclared_writes) or ["self"]
+                    protect[i - a] = sorted(set(protect.get(i - a, [])) | set(names))
+                else:
+                    reason = f"{o.name} writes in place to a tensor made before the module ran"
+        for s in external:
+            if not storages[s].static and any(a <= w < first_bwd for w in writes_at.get(s, [])):
+                reason = "one of its inputs is changed in place later in the forward"
+        region_packs = packs_within(ci)
+        if not region_packs and not reason:
+            reason = "autograd saves nothing inside it"
+        if reason:
+            rejected[ci] = reason
+            continue
+        unpacks = [profile.packs[pi] for pi in region_packs if profile.packs[pi].first_unpack >= 0]
+        inst = RegionInstance(
+            call_index=ci,
+            start=a,
+            end=b,
+            t_r=min((p.first_unpack for p in unpacks), default=-1),
+            l_r=max((p.last_unpack for p in unpacks), default=-1),
+            stop=min(max(profile.packs[pi].pack_op for pi in region_packs), b),
+            external_inputs=[s for s in external if not storages[s].static],
+            packs=region_packs,
+        )
+        region_pack_set = set(region_packs)
+        forced: set[int] = set()
+        candidate_bytes: dict[int, int] = {}
+        for s in dict.fromkeys(produced):
+            rec = storages[s]
+            local = rec.producer - a
+            pks = packs_by_storage.get(s, [])
+            packed_here = any(pi in region_pack_set for pi in pks)
+            packed_elsewhere = any(pi not in region_pack_set for pi in pks)
+            uses = fwd_uses.get(s, [])
+            escapes = packed_elsewhere or any(u >= b for u in uses) or (not pks and rec.free_op >= b)
+            later_writes = [w for w in writes_at.get(s, []) if rec.producer < w < b]
+            inst.sids.append(s)
+            inst.producer.append(local)
+            inst.packed.append(packed_here)
+            inst.fwd_end.append(max([rec.producer] + [u for u in uses if u < b]))
+            inst.mutated_at.append(later_writes[0] if later_writes else -1)
+            inst.escapes.append(escapes)
+            inst.bwd_end.append(max((profile.packs[pi].last_unpack for pi in pks if pi in region_pack_set), default=-1))
+            if escapes and not later_writes:
+                forced.add(local)
+            elif packed_here and not later_writes:
+                candidate_bytes[local] = candidate_bytes.get(local, 0) + rec.nbytes
+        names = [ops[i].name for i in range(a, b)]
+        key = (c.module, c.call)
+        if key in inconsistent:
+            rejected[ci] = "its calls in different root calls ran different ops"
+            continue
+        unit = units.get(key)
+        if unit is None:
+            unit = Unit(
+                module=c.module,
+                call=c.call,
+                instances=[],
+                op_names=names,
+                op_seconds=[0.0] * (b - a),
+                fresh=[bool(ops[i].outputs) for i in range(a, b)],
+                forced_save=set(),
+                candidates=[],
+                candidate_bytes={},
+                protect=protect,
+                input_shapes=c.input_shapes,
+            )
+            units[key] = unit
+        elif unit.op_names != names:
+            rejected[ci] = "its calls in different root calls ran different ops"
+            inconsistent.add(key)
+            del units[key]
+            continue
+        unit.instances.append(inst)
+        for i in range(a, b):
+            unit.op_seconds[i - a] += ops[i].seconds
+        unit.forced_save |= forced
+        for local, nbytes in candidate_bytes.items():
+            unit.candidate_bytes[local] = unit.candidate_bytes.get(local, 0) + nbytes
+        unit.candidate_bytes = {k: v for k, v in unit.candidate_bytes.items() if k not in unit.forced_save}
+    result = list(units.values())
+    for u in result:
+        u.candidates = sorted(u.candidate_bytes)
+    return result, rejected

@@ -1,0 +1,102 @@
+"""The Plan: one decision per saved activation, and the regions the runtime checkpoints. Plain data, JSON on disk."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+__all__ = ["Decision", "RegionPlan", "Plan", "PLAN_SCHEMA_VERSION"]
+
+PLAN_SCHEMA_VERSION = 1
+
+
+class Decision(str, enum.Enum):
+    """What happens to one saved activation between forward and backward."""
+
+    KEEP = "keep"
+    RECOMPUTE = "recompute"
+    OFFLOAD = "offload"
+
+
+@dataclass
+class RegionPlan:
+    """One call of one module run under checkpoint, with the ops whose outputs are saved rather than recomputed.
+
+    Attributes:
+        module: FQN of the module (``"blocks.3"``).
+        call: which call of that module within one call of the root model (0 for the first).
+        ops: the aten op names the module's forward dispatched when profiled, in order: the runtime's guard.
+        save: local indices (into ``ops``) of ops whose outputs are kept from forward; every other op is replayed.
+        protect: local index -> names of arguments written to module state (BatchNorm running stats,
+            ``num_batches_tracked``); the replay writes to private copies so the state is updated exactly once.
+        input_shapes: shapes of the tensor arguments when profiled; other shapes run the module plainly.
+    """
+
+    module: str
+    call: int
+    ops: list[str]
+    save: list[int]
+    protect: dict[int, list[str]] = field(default_factory=dict)
+    input_shapes: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """What :func:`libra.plan` decided, and what it predicts.
+
+    Attributes:
+        budget_bytes: the budget the plan was made for.
+        predicted_peak_bytes: simulated peak of live bytes during one step under the plan.
+        predicted_step_seconds: simulated step time under the plan.
+        eager_peak_bytes / eager_step_seconds / static_bytes: the profile's eager figures the plan was made against.
+        decisions: one entry per saved activation, ``"blocks.3:aten.mm.default#2" -> Decision``.
+        regions: what the runtime wraps; empty when everything is kept (then nothing is installed).
+        parameters: (name, shape, dtype) of every parameter and buffer of the profiled model.
+    """
+
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_step_seconds: float
+    eager_peak_bytes: int
+    eager_step_seconds: float
+    static_bytes: int
+    device: str
+    solver: str
+    decisions: dict[str, Decision]
+    regions: list[RegionPlan]
+    parameters: list[tuple[str, list[int], str]]
+    peak_op: int = -1
+    peak_description: str = ""
+    planner_seconds: float = 0.0
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    @property
+    def counts(self) -> dict[Decision, int]:
+        out = {d: 0 for d in Decision}
+        for d in self.decisions.values():
+            out[d] += 1
+        return out
+
+    def save(self, path) -> None:
+        """Writes the plan as JSON (with ``schema_version``)."""
+        from libra.planner.io import save_plan
+
+        save_plan(self, path)
+
+    @classmethod
+    def load(cls, path) -> "Plan":
+        """Reads a plan written by :meth:`save`. Never runs code from the file.
+
+        Raises:
+            PlanFormatError: the file is not valid JSON, is of another schema version, or has unknown, missing or
+                invalid fields.
+        """
+        from libra.planner.io import load_plan
+
+        return load_plan(path)
+
+    def explain(self) -> str:
+        """A readable account of the plan: the peak moment, what is recomputed and what it costs."""
+        from libra.planner.explain import explain_plan
+
+        return explain_plan(self)

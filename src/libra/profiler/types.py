@@ -1,0 +1,117 @@
+"""The Profile: plain data recorded from one eager training step, serializable to JSON.
+
+Op indices count every aten op the step dispatched, forward and backward, in order. A storage is alive over the
+inclusive op range ``[alloc_op, free_op]``; ``alloc_op == -1`` marks storages that were live when the step began.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+__all__ = ["OpRecord", "StorageRecord", "PackRecord", "ModuleCall", "Profile", "PROFILE_SCHEMA_VERSION"]
+
+PROFILE_SCHEMA_VERSION = 1
+
+
+@dataclass
+class OpRecord:
+    """One dispatched aten op."""
+
+    name: str  # "aten.mm.default"
+    seconds: float
+    backward: bool  # ran inside an autograd node
+    module: str  # FQN of the innermost module whose forward was running ("" for the root or none)
+    inputs: list[int]  # storage ids read
+    outputs: list[int]  # fresh storage ids this op allocated
+    writes: list[int]  # storage ids written (declared by the schema, or detected by comparing values)
+    undeclared_writes: list[str]  # argument names mutated without the schema saying so (BatchNorm running stats)
+    random: bool = False  # torch.Tag.nondeterministic_seeded
+    collective: bool = False
+
+
+@dataclass
+class StorageRecord:
+    """One storage seen during the step, keyed by the storage object (never by data_ptr)."""
+
+    nbytes: int
+    alloc_op: int  # -1: live when the step began
+    free_op: int  # last op index during which it was alive; n_ops when it outlived the step
+    producer: int = -1  # op index that allocated it, -1 if static or opaque
+    static: bool = False
+
+
+@dataclass
+class PackRecord:
+    """One tensor autograd saved for backward (one saved-tensor pack call)."""
+
+    storage: int
+    pack_op: int  # number of ops dispatched when it was saved (inputs are saved before their op runs, outputs after)
+    module_call: int = -1  # index into Profile.module_calls of the innermost module call it was saved in
+    first_unpack: int = -1  # op index about to run when it was first unpacked; -1 if never
+    last_unpack: int = -1
+
+
+@dataclass
+class ModuleCall:
+    """One call of a submodule's ``forward``: ops ``[start_op, end_op)`` ran inside it."""
+
+    module: str
+    call: int  # index of this call of the module within its root call
+    root_call: int
+    start_op: int
+    end_op: int
+    depth: int
+    parent: int = -1  # index of the enclosing module call, -1 for a root call
+    input_shapes: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class Profile:
+    """What one eager step did. Produced by :func:`libra.profile`, consumed by :func:`libra.plan`.
+
+    Attributes:
+        eager_peak_bytes: peak of all live tensor bytes on the device during the step, static bytes included.
+        static_bytes: bytes live on the device when the step began (parameters, buffers, gradients, optimizer
+            state, inputs).
+        eager_step_seconds: the step's wall time with the recorder's own overhead taken out.
+    """
+
+    device: str
+    eager_peak_bytes: int
+    static_bytes: int
+    eager_step_seconds: float
+    dispatch_overhead_seconds: float  # measured cost of one op through a Python dispatch mode
+    ops: list[OpRecord]
+    storages: list[StorageRecord]
+    packs: list[PackRecord]
+    module_calls: list[ModuleCall]
+    parameters: list[tuple[str, list[int], str]]  # (name, shape, dtype) of every parameter and buffer
+    torch_version: str = ""
+    schema_version: int = PROFILE_SCHEMA_VERSION
+
+    @property
+    def n_ops(self) -> int:
+        return len(self.ops)
+
+    @property
+    def activation_peak_bytes(self) -> int:
+        """Eager peak above the static bytes: what the budget shares in the README refer to."""
+        return self.eager_peak_bytes - self.static_bytes
+
+    def budget_for_share(self, share: float) -> int:
+        """Budget that allows ``share`` of eager's activation memory: static bytes + share of the peak above them."""
+        return self.static_bytes + int(share * self.activation_peak_bytes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Profile":
+        data = dict(data)
+        data["ops"] = [OpRecord(**o) for o in data["ops"]]
+        data["storages"] = [StorageRecord(**s) for s in data["storages"]]
+        data["packs"] = [PackRecord(**p) for p in data["packs"]]
+        data["module_calls"] = [ModuleCall(**m) for m in data["module_calls"]]
+        data["parameters"] = [tuple(p) for p in data["parameters"]]
+        return cls(**data)

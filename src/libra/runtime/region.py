@@ -1,0 +1,205 @@
+"""The region executor: one module call under non-reentrant ``torch.utils.checkpoint``, with Libra's pair of dispatch
+modes as ``context_fn`` deciding per op occurrence what is kept and what is replayed.
+
+NOTE [Region executor contract]
+- Forward (``_ForwardMode``): every op runs; outputs of ops the plan saves are kept in the region's cache (detached
+  aliases, no autograd history). Before an in-place op writes to a cached storage, the cache takes a private copy
+  (copy-on-write), so the cache always holds values as they were produced. If the op sequence leaves the profiled
+  one, the rest of the region saves every fresh output: more memory, never a wrong value.
+- Replay (``_ReplayMode``): ops run in the recorded order; cached ops return their kept outputs without running (so
+  BatchNorm never updates running stats twice when saved); replayed ops that write module state (running stats,
+  ``num_batches_tracked``) write to private copies. Replayed random ops see the generator exactly as in forward:
+  checkpoint restores the state at region start, and after a cached random op the state it left is restored.
+- A replay that dispatches another op than the forward did raises instead of returning a wrong value.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from libra._ops import UNCOUNTED, arg_values, op_info, storage_key, tensors_in
+from libra.errors import LibraError
+from libra.planner.types import RegionPlan
+
+__all__ = ["RegionRun"]
+
+log = logging.getLogger("libra")
+
+
+def _generator_state(args, kwargs):
+    """(generator, state) pairs of the generators a random op may draw from."""
+    gen = kwargs.get("generator")
+    if gen is not None:
+        return [(gen, gen.get_state())]
+    devices = {t.device for t in tensors_in(list(args)) + tensors_in(list(kwargs.values()))}
+    out = [(None, torch.get_rng_state())]
+    for d in devices:
+        if d.type == "cuda":
+            out.append((d, torch.cuda.get_rng_state(d)))
+    return out
+
+
+def _restore_generators(states) -> None:
+    for gen, state in states:
+        if isinstance(gen, torch.Generator):
+            gen.set_state(state)
+        elif gen is None:
+            torch.set_rng_state(state)
+        else:
+            torch.cuda.set_rng_state(state, gen)
+
+
+class RegionRun:
+    """State of one checkpointed call of one module: the cache shared by its forward and its replays."""
+
+    def __init__(self, region: RegionPlan, forward) -> None:
+        self.region = region
+        self.forward = forward
+        self.save = set(region.save)
+        self.funcs: list[object] = []  # ops the forward dispatched, in order
+        self.cache: dict[int, object] = {}  # local op index -> outputs (detached)
+        self.cached_by_storage: dict[int, list[int]] = {}
+        self.rng_after: dict[int, list] = {}
+        self.following = True  # the forward still matches the profiled op sequence
+        self.diverged_at = len(region.ops)
+        self.replay_storages: set[int] = set()  # storages the current replay made or got from the cache
+        self.replay_index = 0
+        self.calls = 0
+        self.input_versions: list[tuple[torch.Tensor, int]] = []
+
+    def contexts(self):
+        return _ForwardMode(self), _ReplayMode(self)
+
+    def run(self, *args, **kwargs):
+        """The function checkpoint calls: once for the forward, once per replay."""
+        self.calls += 1
+        if self.calls == 1:
+            self.input_versions = [(t, t._version) for t in tensors_in(list(args)) + tensors_in(list(kwargs.values()))]
+        else:
+            self.replay_index = 0
+            self.replay_storages = set()
+            for i, (t, version) in enumerate(self.input_versions):
+                if t._version != version:
+                    raise LibraError(
+                        f"libra.apply: input {i} of {self.region.module!r} was changed in place after its forward "
+                        "ran, so recomputing it would give wrong gradients. Fix: avoid the in-place change (use an "
+                        "out-of-place op), or plan without this module."
+                    )
+        return self.forward(*args, **kwargs)
+
+    # ---- forward ------------------------------------------------------------------------------------------
+    def keep(self, index: int, out) -> None:
+        def detach(t: torch.Tensor) -> torch.Tensor:
+            key = storage_key(t)
+            if key is not None:
+                self.cached_by_storage.setdefault(key, []).append(index)
+            return t.detach()
+
+        self.cache[index] = tree_map_only(torch.Tensor, detach, out)
+
+    def copy_on_write(self, func, args, kwargs) -> None:
+        info = op_info(func)
+        for name, value in arg_values(func, args, kwargs):
+            if name not in info.write_args:
+                continue
+            for t in tensors_in(value):
+                key = storage_key(t)
+                for index in self.cached_by_storage.pop(key, ()):
+                    self.cache[index] = tree_map_only(
+                        torch.Tensor, lambda c: c.clone() if storage_key(c) == key else c, self.cache[index]
+                    )
+
+    def diverged(self, index: int, name: str) -> None:
+        self.following = False
+        self.diverged_at = index
+        expected = self.region.ops[index] if index < len(self.region.ops) else "the end of the module"
+        log.warning(
+            "libra: %r ran %s as op %d where the profile had %s; this call keeps every output from here on "
+            "(correct, more memory). Re-profile if the model changed.",
+            self.region.module,
+            name,
+            index,
+            expected,
+        )
+
+
+class _ForwardMode(TorchDispatchMode):
+    def __init__(self, run: RegionRun) -> None:
+        super().__init__()
+        self.r = run
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in UNCOUNTED:
+            return func(*args, **kwargs)
+        r = self.r
+        index = len(r.funcs)
+        r.funcs.append(func)
+        info = op_info(func)
+        if r.cached_by_storage and info.write_args:
+            r.copy_on_write(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if r.following and (index >= len(r.region.ops) or r.region.ops[index] != info.name):
+            r.diverged(index, info.name)
+        if (index in r.save) if r.following else any(info.fresh_returns):
+            r.keep(index, out)
+            if info.random:
+                r.rng_after[index] = _generator_state(args, kwargs)
+        return out
+
+
+class _ReplayMode(TorchDispatchMode):
+    def __init__(self, run: RegionRun) -> None:
+        super().__init__()
+        self.r = run
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in UNCOUNTED:
+            return func(*args, **kwargs)
+        r = self.r
+        index = r.replay_index
+        r.replay_index += 1
+        if index >= len(r.funcs) or r.funcs[index] is not func:
+            seen = r.funcs[index] if index < len(r.funcs) else "nothing"
+            raise LibraError(
+                f"libra.apply: recomputing {r.region.module!r} dispatched {func} as op {index} where its forward ran "
+                f"{seen}; the module's forward is not deterministic given its inputs. Fix: plan without this module "
+                "or make its control flow depend only on its inputs."
+            )
+        cached = r.cache.get(index)
+        if cached is not None:
+            if index in r.rng_after:
+                _restore_generators(r.rng_after[index])
+            out = tree_map_only(torch.Tensor, lambda t: t.detach(), cached)
+        else:
+            names = set(r.region.protect.get(index, ())) if index < r.diverged_at else set()
+            info = op_info(func)
+            for name, value in arg_values(func, args, kwargs):
+                if name in info.write_args and any(storage_key(t) not in r.replay_storages for t in tensors_in(value)):
+                    names.add(name)
+            if names:
+                args, kwargs = _private_copies(func, args, kwargs, names)
+            out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                r.replay_storages.add(storage_key(t))
+        return out
+
+
+def _private_copies(func, args, kwargs, names):
+    """Replaces the named arguments by clones, so a replayed op's write to module state goes nowhere."""
+    args = list(args)
+    kwargs = dict(kwargs)
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name not in names:
+            continue
+        if i < len(args) and isinstance(args[i], torch.Tensor):
+            args[i] = args[i].clone()
+        elif isinstance(kwargs.get(arg.name), torch.Tensor):
+            kwargs[arg.name] = kwargs[arg.name].clone()
+    return tuple(args), kwargs

@@ -1,0 +1,31 @@
+"""Helpers for testing code that uses Libra: gradient comparison against eager and a live-bytes meter."""
+
+from __future__ import annotations
+
+import torch
+
+from libra.testing.meter import LiveBytesMeter
+
+__all__ = ["LiveBytesMeter", "assert_grads_equal"]
+
+
+def assert_grads_equal(expected: torch.nn.Module, actual: torch.nn.Module) -> None:
+    """Asserts every ``.grad``, parameter and buffer of two models are bit-identical (``torch.equal``).
+
+    Raises:
+        AssertionError: naming the first tensor that differs and by how much.
+    """
+    pairs = []
+    for (name, p), (_, q) in zip(expected.named_parameters(), actual.named_parameters()):
+        pairs.append((f"{name}", p, q))
+        pairs.append((f"{name}.grad", p.grad, q.grad))
+    for (name, b), (_, c) in zip(expected.named_buffers(), actual.named_buffers()):
+        pairs.append((f"buffer {name}", b, c))
+    for name, a, b in pairs:
+        if a is None or b is None:
+            if a is not b:
+                raise AssertionError(f"{name}: one model has it and the other does not")
+            continue
+        if not torch.equal(a, b):
+            diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else "shape differs"
+            raise AssertionError(f"{name} differs from eager (max abs difference {diff})")
