@@ -66,10 +66,11 @@ def _children(profile: Profile) -> dict[int, list[int]]:
 
 
 def _select_calls(profile: Profile, fwd_ops: int) -> list[int]:
-    """Disjoint module calls to use as regions: the root's children, split while larger than a sixth of the forward."""
+    """Disjoint module calls to use as regions: the root's children, split while larger than a sixth of the forward
+    (and than 48 ops: a small block split into its layers would leave nothing inside to recompute)."""
     calls = profile.module_calls
     kids = _children(profile)
-    limit = max(fwd_ops / 6.0, 1.0)
+    limit = max(fwd_ops / 6.0, 48.0)
     chosen: list[int] = []
 
     def visit(i: int) -> None:

@@ -108,6 +108,10 @@ class _Session:
             self.counts = {}
 
     def install(self) -> None:
+        """Marks the model as under a plan and, when the plan checkpoints anything, wraps the planned modules."""
+        setattr(self.model, _ACTIVE_ATTR, self)
+        if not self.plan.regions:
+            return  # with nothing to evict, install nothing
         modules = dict(self.model.named_modules())
         for fqn in dict.fromkeys(r.module for r in self.plan.regions):
             module = modules.get(fqn)
@@ -119,7 +123,6 @@ class _Session:
             self._saved.append((module, module.__dict__.get("forward")))
             module.forward = _RegionForward(self, module, fqn, module.forward)
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
-        setattr(self.model, _ACTIVE_ATTR, self)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -172,26 +175,25 @@ def apply(model: torch.nn.Module, plan: Plan) -> Iterator[None]:
         )
     _check_signature(model, plan)
     counts = plan.counts
-    if not plan.regions:
-        log.info(
-            "plan applied: everything kept (%d saved tensors), nothing installed; predicted peak %s of budget %s",
-            counts[Decision.KEEP],
-            format_bytes(plan.predicted_peak_bytes),
-            format_bytes(plan.budget_bytes),
-        )
-        yield
-        return
     session = _Session(model, plan)
     try:
         session.install()
-        log.info(
-            "plan applied: %d kept / %d recomputed / %d offloaded, predicted peak %s of budget %s",
-            counts[Decision.KEEP],
-            counts[Decision.RECOMPUTE],
-            counts[Decision.OFFLOAD],
-            format_bytes(plan.predicted_peak_bytes),
-            format_bytes(plan.budget_bytes),
-        )
+        if plan.regions:
+            log.info(
+                "plan applied: %d kept / %d recomputed / %d offloaded, predicted peak %s of budget %s",
+                counts[Decision.KEEP],
+                counts[Decision.RECOMPUTE],
+                counts[Decision.OFFLOAD],
+                format_bytes(plan.predicted_peak_bytes),
+                format_bytes(plan.budget_bytes),
+            )
+        else:
+            log.info(
+                "plan applied: everything kept (%d saved tensors), nothing installed; predicted peak %s of budget %s",
+                counts[Decision.KEEP],
+                format_bytes(plan.predicted_peak_bytes),
+                format_bytes(plan.budget_bytes),
+            )
         yield
     finally:
         session.remove()

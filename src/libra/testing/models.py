@@ -114,7 +114,7 @@ class Bottleneck(nn.Module):
 class ResNet(nn.Module):
     """ResNet-like CNN with bottleneck blocks, BatchNorm (train mode) and in-place ReLU."""
 
-    def __init__(self, widths=(16, 32, 64), blocks=(2, 2, 2), classes: int = 10) -> None:
+    def __init__(self, widths=(8, 16, 32), blocks=(3, 3, 3), classes: int = 10) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]),
                                   nn.ReLU(inplace=True))

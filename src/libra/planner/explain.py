@@ -1,0 +1,32 @@
+"""``Plan.explain()``: a readable account of a plan."""
+
+from __future__ import annotations
+
+from libra.planner.types import Decision, Plan
+from libra.units import format_bytes
+
+__all__ = ["explain_plan"]
+
+
+def explain_plan(plan: Plan) -> str:
+    counts = plan.counts
+    lines = [
+        f"Libra plan ({plan.solver}) for a budget of {format_bytes(plan.budget_bytes)} on {plan.device}",
+        f"  predicted peak  {format_bytes(plan.predicted_peak_bytes)}  (eager {format_bytes(plan.eager_peak_bytes)}, "
+        f"static {format_bytes(plan.static_bytes)})",
+        f"  predicted step  {plan.predicted_step_seconds * 1e3:.1f} ms  (eager {plan.eager_step_seconds * 1e3:.1f} ms, "
+        f"x{plan.predicted_step_seconds / max(plan.eager_step_seconds, 1e-12):.2f})",
+        f"  peak moment     {plan.peak_description}",
+        f"  saved activations: {counts[Decision.KEEP]} kept, {counts[Decision.RECOMPUTE]} recomputed, "
+        f"{counts[Decision.OFFLOAD]} offloaded",
+    ]
+    if not plan.regions:
+        lines.append("  nothing is recomputed: applying this plan installs nothing")
+    else:
+        lines.append(f"  checkpointed modules ({len(plan.regions)}): ops kept / replayed")
+        for r in plan.regions:
+            name = r.module + (f"[{r.call}]" if r.call else "")
+            lines.append(f"    {name:<32} {len(r.save):>4} / {len(r.ops) - len(r.save):<4}")
+        recomputed = [k for k, d in plan.decisions.items() if d is Decision.RECOMPUTE]
+        lines.append("  recomputed activations: " + ", ".join(recomputed[:8]) + (" ..." if len(recomputed) > 8 else ""))
+    return "\n".join(lines)

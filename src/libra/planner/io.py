@@ -1,0 +1,149 @@
+"""Plans on disk: plain JSON with a schema version. Loading validates every field and never runs code."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from libra.errors import PlanFormatError
+from libra.planner.types import PLAN_SCHEMA_VERSION, Decision, Plan, RegionPlan
+
+__all__ = ["save_plan", "load_plan", "plan_to_dict", "plan_from_dict"]
+
+_PLAN_FIELDS = {
+    "schema_version": int,
+    "budget_bytes": int,
+    "predicted_peak_bytes": int,
+    "predicted_step_seconds": float,
+    "eager_peak_bytes": int,
+    "eager_step_seconds": float,
+    "static_bytes": int,
+    "device": str,
+    "solver": str,
+    "decisions": dict,
+    "regions": list,
+    "parameters": list,
+    "peak_op": int,
+    "peak_description": str,
+    "planner_seconds": float,
+}
+_REGION_FIELDS = {"module": str, "call": int, "ops": list, "save": list, "protect": dict, "input_shapes": list}
+_NON_NEGATIVE = {"budget_bytes", "predicted_peak_bytes", "eager_peak_bytes", "static_bytes", "predicted_step_seconds",
+                 "eager_step_seconds", "planner_seconds"}
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    return {
+        "schema_version": plan.schema_version,
+        "budget_bytes": plan.budget_bytes,
+        "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "predicted_step_seconds": plan.predicted_step_seconds,
+        "eager_peak_bytes": plan.eager_peak_bytes,
+        "eager_step_seconds": plan.eager_step_seconds,
+        "static_bytes": plan.static_bytes,
+        "device": plan.device,
+        "solver": plan.solver,
+        "decisions": {k: d.value for k, d in plan.decisions.items()},
+        "regions": [
+            {
+                "module": r.module,
+                "call": r.call,
+                "ops": list(r.ops),
+                "save": list(r.save),
+                "protect": {str(k): list(v) for k, v in r.protect.items()},
+                "input_shapes": [list(s) for s in r.input_shapes],
+            }
+            for r in plan.regions
+        ],
+        "parameters": [[name, list(shape), dtype] for name, shape, dtype in plan.parameters],
+        "peak_op": plan.peak_op,
+        "peak_description": plan.peak_description,
+        "planner_seconds": plan.planner_seconds,
+    }
+
+
+def save_plan(plan: Plan, path) -> None:
+    Path(path).write_text(json.dumps(plan_to_dict(plan), indent=1) + "\n")
+
+
+def _fail(path, what: str) -> PlanFormatError:
+    return PlanFormatError(
+        f"libra.Plan.load: {path} is not a valid Libra plan: {what}. "
+        "Fix: make a new plan with libra.plan(profile, budget) and save it with plan.save(path); do not edit it."
+    )
+
+
+def _check_fields(data, fields: dict, where: str, path) -> None:
+    if not isinstance(data, dict):
+        raise _fail(path, f"{where} should be a JSON object, found {type(data).__name__}")
+    unknown = sorted(set(data) - set(fields))
+    missing = sorted(set(fields) - set(data))
+    if unknown:
+        raise _fail(path, f"{where} has unknown field(s) {', '.join(unknown)}")
+    if missing:
+        raise _fail(path, f"{where} lacks field(s) {', '.join(missing)}")
+    for name, kind in fields.items():
+        value = data[name]
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else (
+            isinstance(value, kind) and not isinstance(value, bool))
+        if not ok:
+            raise _fail(path, f"{where}.{name} should be {kind.__name__}, found {value!r}")
+        if kind is float and not math.isfinite(value):
+            raise _fail(path, f"{where}.{name} should be finite, found {value!r}")
+        if name in _NON_NEGATIVE and value < 0:
+            raise _fail(path, f"{where}.{name} should not be negative, found {value!r}")
+
+
+def _int_list(value, where: str, path) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise _fail(path, f"{where} should be a list of non-negative ints, found {value!r}")
+    return list(value)
+
+
+def plan_from_dict(data: dict, path="<dict>") -> Plan:
+    if isinstance(data, dict) and data.get("schema_version") != PLAN_SCHEMA_VERSION:
+        raise _fail(path, f"schema_version is {data.get('schema_version')!r}, this Libra reads {PLAN_SCHEMA_VERSION}")
+    _check_fields(data, _PLAN_FIELDS, "plan", path)
+    decisions = {}
+    for key, value in data["decisions"].items():
+        try:
+            decisions[key] = Decision(value)
+        except ValueError:
+            raise _fail(path, f"decision {key!r} is {value!r}, expected one of keep, recompute, offload") from None
+    regions = []
+    for i, r in enumerate(data["regions"]):
+        where = f"regions[{i}]"
+        _check_fields(r, _REGION_FIELDS, where, path)
+        if r["call"] < 0 or not all(isinstance(o, str) for o in r["ops"]):
+            raise _fail(path, f"{where} has a negative call or non-string op names")
+        save = _int_list(r["save"], f"{where}.save", path)
+        if any(j >= len(r["ops"]) for j in save):
+            raise _fail(path, f"{where}.save names an op beyond the region's {len(r['ops'])} ops")
+        protect = {}
+        for k, names in r["protect"].items():
+            if not k.isdigit() or not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise _fail(path, f"{where}.protect has an invalid entry {k!r}: {names!r}")
+            protect[int(k)] = list(names)
+        shapes = [_int_list(s, f"{where}.input_shapes", path) for s in r["input_shapes"]]
+        regions.append(RegionPlan(module=r["module"], call=r["call"], ops=list(r["ops"]), save=save,
+                                  protect=protect, input_shapes=shapes))
+    parameters = []
+    for entry in data["parameters"]:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[2], str)):
+            raise _fail(path, f"parameters has an invalid entry {entry!r}")
+        parameters.append((entry[0], _int_list(entry[1], "parameters shape", path), entry[2]))
+    fields = {k: data[k] for k in _PLAN_FIELDS if k not in ("decisions", "regions", "parameters")}
+    return Plan(decisions=decisions, regions=regions, parameters=parameters, **fields)
+
+
+def load_plan(path) -> Plan:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise PlanFormatError(f"libra.Plan.load: cannot read {path}: {e.strerror}. Fix: check the path.") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _fail(path, f"it is not JSON ({e.msg} at line {e.lineno}); it may be truncated") from None
+    return plan_from_dict(data, path)

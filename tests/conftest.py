@@ -1,0 +1,72 @@
+import copy
+
+import pytest
+import torch
+
+import libra
+from libra.testing import LiveBytesMeter, assert_grads_equal, models
+
+MODELS = {
+    "mlp": lambda: models.make_mlp(batch=2048, d=128, hidden=512, depth=6),
+    "gpt": lambda: models.make_gpt(batch=4, layers=6, d=128, seq=128, dropout=0.1),
+    "resnet": lambda: models.make_resnet(batch=8, size=32),
+}
+
+
+class Case:
+    """One model, a profile of it, and the means to train an eager copy and a Libra copy side by side.
+
+    The same tensors are live whenever a Libra step starts as when the profile was taken: the base model, an eager
+    copy and a Libra copy, none holding gradients (SGD without momentum keeps no state).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.base, self.x, self.y, self.loss_fn = MODELS[name]()
+        self.eager = copy.deepcopy(self.base)
+        self.ours = copy.deepcopy(self.base)
+        torch.manual_seed(1234)
+        self.profile = libra.profile(self.ours, lambda: self.loss_fn(self.ours(self.x), self.y).backward())
+        torch.manual_seed(1234)
+        self.loss_fn(self.eager(self.x), self.y).backward()
+        assert_grads_equal(self.eager, self.ours)
+        self.reset()
+
+    def reset(self) -> None:
+        self.eager = copy.deepcopy(self.base)
+        self.ours = copy.deepcopy(self.base)
+
+    def train(self, plan, steps: int = 3):
+        """Trains both copies for ``steps`` SGD steps; returns the Libra steps' meters. Asserts bit-equality."""
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (self.eager, self.ours)]
+        meters = []
+        for i in range(steps):
+            torch.manual_seed(100 + i)
+            with LiveBytesMeter(extra=list(self.ours.parameters())) as meter:
+                with libra.apply(self.ours, plan):
+                    loss_o = self.loss_fn(self.ours(self.x), self.y)
+                    loss_o.backward()
+            meters.append(meter)
+            torch.manual_seed(100 + i)
+            loss_e = self.loss_fn(self.eager(self.x), self.y)
+            loss_e.backward()
+            assert torch.equal(loss_e, loss_o)
+            assert_grads_equal(self.eager, self.ours)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            del loss_o, loss_e  # live tensors at the next step's start must be what they were when profiled
+        assert_grads_equal(self.eager, self.ours)
+        return meters
+
+
+_CASES: dict[str, Case] = {}
+
+
+@pytest.fixture(params=sorted(MODELS))
+def case(request):
+    if request.param not in _CASES:
+        _CASES[request.param] = Case(request.param)
+    c = _CASES[request.param]
+    c.reset()
+    return c

@@ -1,0 +1,99 @@
+"""A step that raises, nested apply, and bad arguments: clear errors, no hook left behind."""
+
+import copy
+
+import pytest
+import torch
+
+import libra
+from libra.planner import Planning
+from libra.testing import assert_grads_equal, models
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, x, y, loss_fn = models.make_mlp(batch=2048, d=64, hidden=256, depth=4)
+    base = copy.deepcopy(model)
+    prof = libra.profile(model, lambda: loss_fn(model(x), y).backward())
+    return base, x, y, loss_fn, prof, libra.plan(prof, Planning(prof).min_budget_bytes())
+
+
+class Boom(Exception):
+    pass
+
+
+def _no_hooks(model):
+    return all("forward" not in m.__dict__ and not m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("exc", [Boom, KeyboardInterrupt])
+def test_exception_inside_apply_propagates_and_leaves_nothing(setup, exc):
+    base, x, y, loss_fn, _, plan = setup
+    model = copy.deepcopy(base)
+    with pytest.raises(exc):
+        with libra.apply(model, plan):
+            loss_fn(model(x), y).backward()
+            raise exc()
+    assert _no_hooks(model)
+    model.zero_grad(set_to_none=True)
+    ref = copy.deepcopy(base)
+    loss_fn(model(x), y).backward()
+    loss_fn(ref(x), y).backward()
+    assert_grads_equal(ref, model)
+
+
+def test_step_that_raises_during_profile_propagates_unchanged(setup):
+    base, x, *_ = setup
+    model = copy.deepcopy(base)
+
+    def step():
+        model(x).sum().backward()
+        raise Boom("from the step")
+
+    with pytest.raises(Boom, match="from the step"):
+        libra.profile(model, step)
+    assert _no_hooks(model)
+
+
+def test_apply_twice_at_once_is_refused(setup):
+    base, *_, plan = setup
+    model = copy.deepcopy(base)
+    with libra.apply(model, plan):
+        with pytest.raises(libra.LibraError, match="already applied"):
+            with libra.apply(model, plan):
+                pass
+    assert _no_hooks(model)
+
+
+def test_bad_arguments(setup):
+    base, *_, prof, plan = setup
+    with pytest.raises(libra.LibraError, match="expected a torch.nn.Module"):
+        libra.profile("model", lambda: None)
+    with pytest.raises(libra.LibraError, match="callable"):
+        libra.profile(base, 3)
+    with pytest.raises(libra.LibraError, match="libra.Profile"):
+        libra.plan({"not": "a profile"}, "1GiB")
+    with pytest.raises(libra.LibraError, match="unknown solver"):
+        libra.plan(prof, "1GiB", solver="magic")
+    with pytest.raises(libra.LibraError, match="libra.Plan"):
+        with libra.apply(base, "plan.json"):
+            pass
+    for bad in (0, -1, "abc", "1.5 XB"):
+        with pytest.raises(libra.LibraError, match="budget"):
+            libra.plan(prof, bad)
+
+
+def test_no_grad_step_inside_apply_is_plain(setup):
+    base, x, y, loss_fn, _, plan = setup
+    model = copy.deepcopy(base)
+    with libra.apply(model, plan), torch.no_grad():
+        out = model(x)
+    assert torch.equal(out, base(x).detach())
+
+
+def test_kill_switch(setup, monkeypatch):
+    base, *_, plan = setup
+    model = copy.deepcopy(base)
+    monkeypatch.setenv("LIBRA_DISABLE", "1")
+    with libra.apply(model, plan):
+        assert _no_hooks(model)

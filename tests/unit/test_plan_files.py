@@ -1,0 +1,89 @@
+"""Plans on disk: round trip, and clear errors for corrupt, foreign or hand-edited files."""
+
+import json
+
+import pytest
+import torch
+
+import libra
+from libra.planner import Planning
+from libra.testing import models
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    model, x, y, loss_fn = models.make_mlp(batch=2048, d=64, hidden=256, depth=4)
+    prof = libra.profile(model, lambda: loss_fn(model(x), y).backward())
+    plan = libra.plan(prof, Planning(prof).min_budget_bytes())
+    path = tmp_path_factory.mktemp("plans") / "plan.json"
+    plan.save(path)
+    return plan, path, model
+
+
+def test_round_trip(saved):
+    plan, path, _ = saved
+    loaded = libra.Plan.load(path)
+    assert loaded == plan
+    assert json.loads(path.read_text())["schema_version"] == 1
+    assert loaded.regions and loaded.counts[libra.Decision.RECOMPUTE] > 0
+
+
+def _edit(path, tmp_path, fn):
+    data = json.loads(path.read_text())
+    fn(data)
+    out = tmp_path / "edited.json"
+    out.write_text(json.dumps(data))
+    return out
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(schema_version=99), "schema_version"),
+        (lambda d: d.update(surprise=1), "unknown field"),
+        (lambda d: d.pop("regions"), "lacks field"),
+        (lambda d: d.update(budget_bytes=-1), "negative"),
+        (lambda d: d["regions"][0].update(save=[-3]), "non-negative"),
+        (lambda d: d["regions"][0].update(save=[10**6]), "beyond"),
+        (lambda d: d["decisions"].update({"x:y#0": "teleport"}), "teleport"),
+        (lambda d: d.update(predicted_step_seconds="fast"), "should be float"),
+    ],
+)
+def test_hand_edited_plans_are_refused(saved, tmp_path, edit, message):
+    _, path, _ = saved
+    with pytest.raises(libra.PlanFormatError) as info:
+        libra.Plan.load(_edit(path, tmp_path, edit))
+    assert message in str(info.value)
+    assert "Fix:" in str(info.value)
+
+
+def test_truncated_and_foreign_files(saved, tmp_path):
+    _, path, _ = saved
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text(path.read_text()[:200])
+    with pytest.raises(libra.PlanFormatError, match="truncated"):
+        libra.Plan.load(truncated)
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps([1, 2, 3]))
+    with pytest.raises(libra.PlanFormatError):
+        libra.Plan.load(foreign)
+    with pytest.raises(libra.PlanFormatError, match="cannot read"):
+        libra.Plan.load(tmp_path / "missing.json")
+
+
+def test_plan_for_another_model_names_the_first_differing_tensor(saved):
+    plan, _, _ = saved
+    other, *_ = models.make_mlp(batch=8, d=64, hidden=128, depth=3)
+    with pytest.raises(libra.PlanMismatchError) as info:
+        with libra.apply(other, plan):
+            pass
+    assert "blocks.0.fc1.weight" in str(info.value)
+    assert "Fix:" in str(info.value)
+    assert "forward" not in other.blocks[0].__dict__
+
+
+def test_explain_reads_like_a_report(saved):
+    plan, _, _ = saved
+    text = plan.explain()
+    assert "predicted peak" in text and "checkpointed modules" in text and "blocks.0" in text
+    assert torch.is_tensor(torch.zeros(1))

@@ -1,0 +1,43 @@
+"""The public surface is frozen: a change here is a decision, not an accident."""
+
+import subprocess
+import sys
+
+import libra
+from libra.cli.main import build_parser
+
+
+def test_all_snapshot():
+    assert sorted(libra.__all__) == [
+        "BudgetInfeasibleError", "Decision", "LibraError", "Plan", "PlanFormatError", "PlanMismatchError", "Profile",
+        "apply", "plan", "profile",
+    ]
+    assert issubclass(libra.BudgetInfeasibleError, libra.LibraError)
+    assert issubclass(libra.LibraError, RuntimeError)
+
+
+def test_cli_snapshot():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert sorted(sub.choices) == ["demo"]
+    demo_flags = sorted(o for a in sub.choices["demo"]._actions for o in a.option_strings)
+    assert demo_flags == ["--batch", "--help", "--layers", "--share", "--steps", "-h"]
+
+
+def test_import_does_not_initialise_cuda():
+    code = "import torch, libra, libra.testing; print(torch.cuda.is_initialized())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_library_never_prints(capsys):
+    from libra.planner import Planning
+    from libra.testing import models
+
+    model, x, y, loss_fn = models.make_mlp(batch=64, d=32, hidden=64, depth=2)
+    prof = libra.profile(model, lambda: loss_fn(model(x), y).backward())
+    plan = libra.plan(prof, max(prof.budget_for_share(0.6), Planning(prof).min_budget_bytes()))
+    with libra.apply(model, plan):
+        loss_fn(model(x), y).backward()
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
