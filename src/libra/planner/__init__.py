@@ -8,7 +8,7 @@ import time
 from libra.errors import BudgetInfeasibleError, LibraError
 from libra.planner.regions import Unit, analyse
 from libra.planner.simulate import SimResult, Simulator, State
-from libra.planner.solvers import greedy
+from libra.planner.solvers import greedy, milp
 from libra.planner.types import PLAN_SCHEMA_VERSION, Decision, Plan, RegionPlan
 from libra.profiler.types import Profile
 from libra.units import format_bytes, parse_bytes
@@ -17,7 +17,7 @@ __all__ = ["plan", "Plan", "Decision", "RegionPlan", "PLAN_SCHEMA_VERSION", "Pla
 
 log = logging.getLogger("libra")
 
-_SOLVERS = ("greedy",)
+_SOLVERS = ("greedy", "milp")
 
 # NOTE [Safety margin]: the simulator knows when autograd lets go of a storage, but not every Python reference (a
 # local variable of a forward that is still running). Measured on the test models, this leaves the prediction under
@@ -37,16 +37,22 @@ class Planning:
         self.profile = profile
         self.units, self.rejected = analyse(profile)
         self.sim = Simulator(profile, self.units)
-        self.order = greedy.move_order(self.sim)
         self.eager = self.sim.run({})
+        self._effects: greedy.Effects | None = None
         self._full: SimResult | None = None
 
     @property
     def full(self) -> SimResult:
         """The plan that recomputes every candidate: the lowest peak the greedy reaches."""
         if self._full is None:
-            self._full = self.sim.run(greedy.state_for(self.sim, self.order))
+            self._full = self.sim.run(greedy.full_state(self.sim))
         return self._full
+
+    @property
+    def effects(self) -> greedy.Effects:
+        if self._effects is None:
+            self._effects = greedy.Effects(self.sim)
+        return self._effects
 
     @property
     def margin_bytes(self) -> int:
@@ -142,7 +148,7 @@ class Planning:
         return lines
 
 
-def plan(profile: Profile, budget: int | str, *, solver: str = "greedy") -> Plan:
+def plan(profile: Profile, budget: int | str, *, solver: str = "greedy", time_limit: float = 60.0) -> Plan:
     """Decides, for every saved activation, whether to keep it or recompute it, so that a step fits ``budget``.
 
     Pure: reads the profile only, touches no device, and gives the same plan for the same profile and budget.
@@ -151,7 +157,9 @@ def plan(profile: Profile, budget: int | str, *, solver: str = "greedy") -> Plan
         profile: from :func:`libra.profile`.
         budget: the peak of all live tensor bytes allowed during one step, static bytes included: an int of bytes
             or a string such as ``"6GiB"`` or ``"800MB"``. Never a fraction.
-        solver: ``"greedy"``.
+        solver: ``"greedy"`` (fast, the default) or ``"milp"`` (exact reference over the same model, SciPy's HiGHS;
+            for small and medium profiles).
+        time_limit: seconds the ``"milp"`` solver may take.
 
     Returns:
         A :class:`Plan`. When the budget is at or above the eager peak it keeps everything, and applying it installs
@@ -173,11 +181,13 @@ def plan(profile: Profile, budget: int | str, *, solver: str = "greedy") -> Plan
     planning = profile if isinstance(profile, Planning) else Planning(profile)
     if budget_bytes >= planning.eager.peak_bytes:
         state: State | None = {}
+    elif solver == "milp":
+        state = milp.solve(planning.sim, budget_bytes - planning.margin_bytes, time_limit=time_limit)
     else:
-        state = greedy.solve(planning.sim, budget_bytes - planning.margin_bytes, planning.order)
+        state = greedy.solve(planning.sim, budget_bytes - planning.margin_bytes, planning.effects)
     if state is None:
         minimum = planning.min_budget_bytes()
-        full_state = greedy.state_for(planning.sim, planning.order)
+        full_state = greedy.full_state(planning.sim)
         lines = planning.contributors(full_state, planning.full.peak_op)
         static = planning.profile.static_bytes
         raise BudgetInfeasibleError(
