@@ -19,9 +19,13 @@ def test_all_snapshot():
 def test_cli_snapshot():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["demo"]
+    assert sorted(sub.choices) == ["demo", "plan", "profile", "show"]
     demo_flags = sorted(o for a in sub.choices["demo"]._actions for o in a.option_strings)
     assert demo_flags == ["--batch", "--help", "--layers", "--share", "--steps", "-h"]
+    flags = {name: sorted(o for a in p._actions for o in a.option_strings) for name, p in sub.choices.items()}
+    assert flags["profile"] == ["--help", "--output", "--warmup", "-h", "-o"]
+    assert flags["plan"] == ["--budget", "--help", "--output", "--solver", "-h", "-o"]
+    assert flags["show"] == ["--help", "-h"]
 
 
 def test_import_does_not_initialise_cuda():

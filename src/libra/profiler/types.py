@@ -106,6 +106,41 @@ class Profile:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def save(self, path) -> None:
+        """Writes the profile as JSON (with ``schema_version``)."""
+        import json
+        from pathlib import Path
+
+        Path(path).write_text(json.dumps(self.to_dict()) + "\n")
+
+    @classmethod
+    def load(cls, path) -> "Profile":
+        """Reads a profile written by :meth:`save`; never runs code from the file.
+
+        Raises:
+            PlanFormatError: the file is unreadable, not JSON, of another schema version, or has invalid fields.
+        """
+        import json
+        from pathlib import Path
+
+        from libra.errors import PlanFormatError
+
+        fix = "Fix: record a new one with libra.profile(model, step).save(path) or `libra profile`."
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise PlanFormatError(f"libra.Profile.load: cannot read {path} as JSON ({e}). {fix}") from None
+        if not isinstance(data, dict) or data.get("schema_version") != PROFILE_SCHEMA_VERSION:
+            version = data.get("schema_version") if isinstance(data, dict) else None
+            raise PlanFormatError(
+                f"libra.Profile.load: {path} has schema_version {version!r}; this Libra reads "
+                f"{PROFILE_SCHEMA_VERSION}. {fix}"
+            )
+        try:
+            return cls.from_dict(data)
+        except (TypeError, KeyError, ValueError) as e:
+            raise PlanFormatError(f"libra.Profile.load: {path} has invalid fields ({e}). {fix}") from None
+
     @classmethod
     def from_dict(cls, data: dict) -> "Profile":
         data = dict(data)
