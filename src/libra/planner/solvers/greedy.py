@@ -97,11 +97,23 @@ def _best_option(fx: Effects, t: int, on: np.ndarray, taken: np.ndarray) -> list
 
 
 def _undo(sim: Simulator, fx: Effects, chosen: list[int], budget: int) -> list[int]:
-    """Undoes, most expensive first, every move the plan does not need to fit."""
+    """Undoes, most expensive first, every move the plan does not need to fit.
+
+    Each undo is screened on the summed effects (a vector operation) and only then checked by the simulator.
+    """
+    live, _ = sim.live(state_for(sim, [fx.moves[c] for c in chosen]))
+    live = live.astype(np.int64)
     for i in sorted(chosen, key=lambda i: -fx.move_cost[i])[:_UNDO_TRIES]:
         trial = [c for c in chosen if c != i]
-        if sim.run(state_for(sim, [fx.moves[c] for c in trial])).peak_bytes <= budget:
-            chosen = trial
+        ui = fx.move_unit[i]
+        estimate = live - fx.move_delta[:, i]
+        if not any(fx.move_unit[c] == ui for c in trial):
+            estimate = estimate - fx.unit_delta[:, ui]
+        if estimate.max() > budget:
+            continue
+        actual, _ = sim.live(state_for(sim, [fx.moves[c] for c in trial]))
+        if actual.max() <= budget:
+            chosen, live = trial, actual.astype(np.int64)
     return chosen
 
 
