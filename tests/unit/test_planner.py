@@ -24,7 +24,7 @@ def test_greedy_within_3_percent_of_milp(case, planning, share):
     budget = planning.min_budget_bytes() if share == "min" else prof.budget_for_share(share)
     target = budget - planning.margin_bytes
     g = greedy.solve(planning.sim, target, planning.effects)
-    m = milp.solve(planning.sim, target)
+    m = milp.solve(planning.sim, target, planning.effects)
     assert g is not None and m is not None
     rg, rm = planning.sim.run(g), planning.sim.run(m)
     assert rg.peak_bytes <= target and rm.peak_bytes <= target

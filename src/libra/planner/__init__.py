@@ -7,7 +7,7 @@ import time
 
 from libra.errors import BudgetInfeasibleError, LibraError
 from libra.planner.regions import Unit, analyse
-from libra.planner.simulate import SimResult, Simulator, State
+from libra.planner.simulate import SimResult, Simulator, State, kept_split
 from libra.planner.solvers import greedy, milp
 from libra.planner.types import PLAN_SCHEMA_VERSION, Decision, Plan, RegionPlan
 from libra.profiler.types import Profile
@@ -26,33 +26,84 @@ _SOLVERS = ("greedy", "milp")
 SAFETY_MARGIN = 0.01
 
 
-class Planning:
-    """The analysis of one profile, reused across budgets: regions, simulator, greedy move order."""
+_DECISIONS = frozenset({"keep", "recompute", "offload"})
 
-    def __init__(self, profile: Profile) -> None:
+
+def _host_bandwidth(profile: Profile, host_bandwidth: float | None) -> float | None:
+    """Bytes per second to and from host memory: the argument, else measured once on CUDA, else None (on CPU
+    there is no separate host memory: offloading is modelled only when a bandwidth is given)."""
+    if host_bandwidth is not None:
+        if isinstance(host_bandwidth, bool) or not isinstance(host_bandwidth, (int, float)) or host_bandwidth <= 0:
+            raise LibraError(
+                f"libra.plan: host_bandwidth should be a positive number of bytes per second, got {host_bandwidth!r}."
+            )
+        return float(host_bandwidth)
+    if profile.device.startswith("cuda"):
+        from libra.runtime.offload import measured_host_bandwidth
+
+        return measured_host_bandwidth(profile.device)
+    return None
+
+
+class Planning:
+    """The analysis of one profile, reused across budgets: regions, simulator, solver effects.
+
+    Args:
+        profile: from :func:`libra.profile`.
+        host_bandwidth: bytes per second to and from host memory (see :func:`plan`).
+        decisions: the decisions the planner may use, a non-empty subset of ``{"keep", "recompute", "offload"}``.
+    """
+
+    def __init__(self, profile: Profile, host_bandwidth: float | None = None,
+                 decisions=("keep", "recompute", "offload")) -> None:
         if not isinstance(profile, Profile):
             raise LibraError(
                 f"libra.plan: expected a libra.Profile from libra.profile(model, step), got {type(profile).__name__}."
             )
+        chosen = frozenset(decisions) if not isinstance(decisions, str) else frozenset({decisions})
+        if not chosen or not chosen <= _DECISIONS:
+            raise LibraError(
+                f"libra.plan: decisions should be a non-empty subset of {{'keep', 'recompute', 'offload'}}, got "
+                f"{sorted(chosen) if chosen else decisions!r}."
+            )
         self.profile = profile
+        self.decisions = chosen
+        self.host_bandwidth = _host_bandwidth(profile, host_bandwidth)
+        kinds = [k for k in (greedy.RECOMPUTE, greedy.OFFLOAD) if k in chosen]
+        if greedy.OFFLOAD in kinds and self.host_bandwidth is None:
+            kinds.remove(greedy.OFFLOAD)
+        if not kinds and "keep" not in chosen:
+            raise LibraError(
+                "libra.plan: decisions={'offload'} needs a host_bandwidth on a device without one measured (CPU). "
+                "Fix: pass host_bandwidth=... in bytes per second."
+            )
+        self.kinds = tuple(kinds)
         self.units, self.rejected = analyse(profile)
-        self.sim = Simulator(profile, self.units)
+        self.sim = Simulator(profile, self.units, self.host_bandwidth)
         self.eager = self.sim.run({})
         self._effects: greedy.Effects | None = None
-        self._full: SimResult | None = None
+        self._full_state: State | None = None
+
+    @property
+    def full_state(self) -> State:
+        """Every candidate evicted: the lowest peak the planner reaches ({} when it may only keep)."""
+        if self._full_state is None:
+            self._full_state = greedy.full_state(self.sim, self.kinds) if self.kinds else {}
+        return self._full_state
 
     @property
     def full(self) -> SimResult:
-        """The plan that recomputes every candidate: the lowest peak the greedy reaches."""
-        if self._full is None:
-            self._full = self.sim.run(greedy.full_state(self.sim))
-        return self._full
+        return self.sim.run(self.full_state)
 
     @property
     def effects(self) -> greedy.Effects:
         if self._effects is None:
-            self._effects = greedy.Effects(self.sim)
+            self._effects = greedy.Effects(self.sim, self.kinds)
         return self._effects
+
+    def matches(self, host_bandwidth, decisions) -> bool:
+        want = frozenset(decisions) if not isinstance(decisions, str) else frozenset({decisions})
+        return want == self.decisions and (host_bandwidth is None or float(host_bandwidth) == self.host_bandwidth)
 
     @property
     def margin_bytes(self) -> int:
@@ -88,18 +139,22 @@ class Planning:
     def build(self, state: State, budget: int, result: SimResult, solver: str, seconds: float) -> Plan:
         prof = self.profile
         recomputed_ops: set[int] = set()
+        offloaded_ops: set[int] = set()
         regions = []
         for ui in sorted(state, key=lambda u: self.units[u].instances[0].start):
             unit = self.units[ui]
-            saved = unit.forced_save | state[ui]
+            on_device, offloaded = kept_split(state[ui])
+            saved = unit.forced_save | on_device | offloaded
             for inst in unit.instances:
                 recomputed_ops.update(inst.start + j for j in range(len(unit.op_names)) if j not in saved)
+                offloaded_ops.update(inst.start + j for j in offloaded)
             regions.append(
                 RegionPlan(
                     module=unit.module,
                     call=unit.call,
                     ops=list(unit.op_names),
                     save=sorted(saved),
+                    offload=sorted(offloaded),
                     protect={k: list(v) for k, v in sorted(unit.protect.items())},
                     input_shapes=[list(s) for s in unit.input_shapes],
                 )
@@ -110,7 +165,12 @@ class Planning:
             producer = prof.storages[p.storage].producer
             if producer < 0 or prof.ops[producer].backward:
                 continue
-            decision = Decision.RECOMPUTE if producer in recomputed_ops else Decision.KEEP
+            if producer in recomputed_ops:
+                decision = Decision.RECOMPUTE
+            elif producer in offloaded_ops:
+                decision = Decision.OFFLOAD
+            else:
+                decision = Decision.KEEP
             decisions.setdefault(keys[producer], decision)
         op = prof.ops[result.peak_op] if prof.ops else None
         where = (
@@ -148,8 +208,16 @@ class Planning:
         return lines
 
 
-def plan(profile: Profile, budget: int | str, *, solver: str = "greedy", time_limit: float = 60.0) -> Plan:
-    """Decides, for every saved activation, whether to keep it or recompute it, so that a step fits ``budget``.
+def plan(
+    profile: Profile,
+    budget: int | str,
+    *,
+    solver: str = "greedy",
+    host_bandwidth: float | None = None,
+    decisions=None,
+    time_limit: float = 60.0,
+) -> Plan:
+    """Decides, for every saved activation, whether to keep, recompute or offload it, so a step fits ``budget``.
 
     Pure: reads the profile only, touches no device, and gives the same plan for the same profile and budget.
 
@@ -159,6 +227,11 @@ def plan(profile: Profile, budget: int | str, *, solver: str = "greedy", time_li
             or a string such as ``"6GiB"`` or ``"800MB"``. Never a fraction.
         solver: ``"greedy"`` (fast, the default) or ``"milp"`` (exact reference over the same model, SciPy's HiGHS;
             for small and medium profiles).
+        host_bandwidth: bytes per second between device and host memory, each way. Default: measured once per
+            CUDA device (pinned copies); on CPU, where host and device memory are one, offloading is planned only
+            when a bandwidth is given (to test and compare the mechanism).
+        decisions: the decisions allowed, a non-empty subset of ``{"keep", "recompute", "offload"}`` (default: all
+            three). Without ``"keep"``, every candidate activation is evicted.
         time_limit: seconds the ``"milp"`` solver may take.
 
     Returns:
@@ -178,17 +251,28 @@ def plan(profile: Profile, budget: int | str, *, solver: str = "greedy", time_li
     if solver not in _SOLVERS:
         raise LibraError(f"libra.plan: unknown solver {solver!r}; expected one of {', '.join(_SOLVERS)}.")
     t0 = time.perf_counter()
-    planning = profile if isinstance(profile, Planning) else Planning(profile)
-    if budget_bytes >= planning.eager.peak_bytes:
-        state: State | None = {}
-    elif solver == "milp":
-        state = milp.solve(planning.sim, budget_bytes - planning.margin_bytes, time_limit=time_limit)
+    if isinstance(profile, Planning) and (
+        (host_bandwidth is None and decisions is None) or profile.matches(host_bandwidth, decisions or _DECISIONS)
+    ):
+        planning = profile  # reuse its analysis and options
     else:
-        state = greedy.solve(planning.sim, budget_bytes - planning.margin_bytes, planning.effects)
+        base = profile.profile if isinstance(profile, Planning) else profile
+        planning = Planning(base, host_bandwidth, _DECISIONS if decisions is None else decisions)
+    target = budget_bytes - planning.margin_bytes
+    state: State | None
+    if "keep" not in planning.decisions:
+        state = planning.full_state if planning.full.peak_bytes <= target else None
+    elif budget_bytes >= planning.eager.peak_bytes:
+        state = {}
+    elif not planning.kinds:
+        state = None
+    elif solver == "milp":
+        state = milp.solve(planning.sim, target, planning.effects, time_limit=time_limit)
+    else:
+        state = greedy.solve(planning.sim, target, planning.effects)
     if state is None:
         minimum = planning.min_budget_bytes()
-        full_state = greedy.full_state(planning.sim)
-        lines = planning.contributors(full_state, planning.full.peak_op)
+        lines = planning.contributors(planning.full_state, planning.full.peak_op)
         static = planning.profile.static_bytes
         raise BudgetInfeasibleError(
             f"libra.plan: no plan keeps the step under {format_bytes(budget_bytes)} ({budget_bytes} bytes); the "

@@ -28,7 +28,8 @@ _PLAN_FIELDS = {
     "peak_description": str,
     "planner_seconds": float,
 }
-_REGION_FIELDS = {"module": str, "call": int, "ops": list, "save": list, "protect": dict, "input_shapes": list}
+_REGION_FIELDS = {"module": str, "call": int, "ops": list, "save": list, "offload": list, "protect": dict,
+                  "input_shapes": list}
 _NON_NEGATIVE = {"budget_bytes", "predicted_peak_bytes", "eager_peak_bytes", "static_bytes", "predicted_step_seconds",
                  "eager_step_seconds", "planner_seconds"}
 
@@ -51,6 +52,7 @@ def plan_to_dict(plan: Plan) -> dict:
                 "call": r.call,
                 "ops": list(r.ops),
                 "save": list(r.save),
+                "offload": list(r.offload),
                 "protect": {str(k): list(v) for k, v in r.protect.items()},
                 "input_shapes": [list(s) for s in r.input_shapes],
             }
@@ -120,6 +122,9 @@ def plan_from_dict(data: dict, path="<dict>") -> Plan:
         save = _int_list(r["save"], f"{where}.save", path)
         if any(j >= len(r["ops"]) for j in save):
             raise _fail(path, f"{where}.save names an op beyond the region's {len(r['ops'])} ops")
+        offload = _int_list(r["offload"], f"{where}.offload", path)
+        if not set(offload) <= set(save):
+            raise _fail(path, f"{where}.offload names ops that are not in save")
         protect = {}
         for k, names in r["protect"].items():
             if not k.isdigit() or not isinstance(names, list) or not all(isinstance(n, str) for n in names):
@@ -127,7 +132,7 @@ def plan_from_dict(data: dict, path="<dict>") -> Plan:
             protect[int(k)] = list(names)
         shapes = [_int_list(s, f"{where}.input_shapes", path) for s in r["input_shapes"]]
         regions.append(RegionPlan(module=r["module"], call=r["call"], ops=list(r["ops"]), save=save,
-                                  protect=protect, input_shapes=shapes))
+                                  offload=offload, protect=protect, input_shapes=shapes))
     parameters = []
     for entry in data["parameters"]:
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[2], str)):

@@ -54,6 +54,7 @@ class Unit:
     forced_save: set[int]  # local ops whose outputs escape: always cached
     candidates: list[int]  # local ops whose outputs autograd saves only inside: may be recomputed
     candidate_bytes: dict[int, int]
+    offloadable: set[int]  # candidates all of whose outputs may leave the device (none escapes or changes later)
     protect: dict[int, list[str]]
     input_shapes: list[list[int]]
 
@@ -174,6 +175,7 @@ def analyse(profile: Profile) -> tuple[list[Unit], dict[int, str]]:
         region_pack_set = set(region_packs)
         forced: set[int] = set()
         candidate_bytes: dict[int, int] = {}
+        not_offloadable: set[int] = set()
         for s in dict.fromkeys(produced):
             rec = storages[s]
             local = rec.producer - a
@@ -190,6 +192,8 @@ def analyse(profile: Profile) -> tuple[list[Unit], dict[int, str]]:
             inst.mutated_at.append(later_writes[0] if later_writes else -1)
             inst.escapes.append(escapes)
             inst.bwd_end.append(max((profile.packs[pi].last_unpack for pi in pks if pi in region_pack_set), default=-1))
+            if escapes or later_writes or not packed_here:
+                not_offloadable.add(local)
             if escapes and not later_writes:
                 forced.add(local)
             elif packed_here and not later_writes:
@@ -211,6 +215,7 @@ def analyse(profile: Profile) -> tuple[list[Unit], dict[int, str]]:
                 forced_save=set(),
                 candidates=[],
                 candidate_bytes={},
+                offloadable=set(),
                 protect=protect,
                 input_shapes=c.input_shapes,
             )
@@ -227,6 +232,7 @@ def analyse(profile: Profile) -> tuple[list[Unit], dict[int, str]]:
         for local, nbytes in candidate_bytes.items():
             unit.candidate_bytes[local] = unit.candidate_bytes.get(local, 0) + nbytes
         unit.candidate_bytes = {k: v for k, v in unit.candidate_bytes.items() if k not in unit.forced_save}
+        unit.offloadable = (unit.offloadable | set(candidate_bytes)) - not_offloadable
     result = list(units.values())
     for u in result:
         u.candidates = sorted(u.candidate_bytes)

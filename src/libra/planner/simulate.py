@@ -13,10 +13,16 @@ import numpy as np
 from libra.planner.regions import Unit
 from libra.profiler.types import Profile
 
-__all__ = ["Simulator", "SimResult", "State"]
+__all__ = ["Simulator", "SimResult", "State", "kept_split"]
 
-# unit index -> local op indices among its candidates that stay cached (the rest are recomputed)
+# unit index -> the candidates (local op indices) whose outputs are kept: ``j`` keeps them on the device, ``~j``
+# (that is -j-1) in host memory (offloaded). Candidates of a listed unit that are in neither form are recomputed.
 State = dict[int, frozenset[int]]
+
+
+def kept_split(cached: frozenset[int]) -> tuple[set[int], set[int]]:
+    """(kept on the device, offloaded) local op indices of one unit's state entry."""
+    return {j for j in cached if j >= 0}, {~j for j in cached if j < 0}
 
 # Runtime cost model, per op dispatched through Libra's modes (in multiples of a do-nothing dispatch mode's cost),
 # and per checkpointed region call (checkpoint's own bookkeeping, measured on CPU with torch 2.13).
@@ -34,9 +40,10 @@ class SimResult:
 class Simulator:
     """Predicts the peak and the added time of any plan over one profile."""
 
-    def __init__(self, profile: Profile, units: list[Unit]) -> None:
+    def __init__(self, profile: Profile, units: list[Unit], host_bandwidth: float | None = None) -> None:
         self.profile = profile
         self.units = units
+        self.host_bandwidth = host_bandwidth  # bytes per second each way between device and host memory
         self.n = n = len(profile.ops)
         st = profile.storages
         self.nbytes = np.array([s.nbytes for s in st], dtype=np.int64)
@@ -46,6 +53,7 @@ class Simulator:
         np.add.at(delta, self.alloc, self.nbytes)
         np.add.at(delta, self.free + 1, -self.nbytes)
         self.base_delta = delta
+        self.op_time = np.concatenate([[0.0], np.cumsum([o.seconds for o in profile.ops])])  # start time of each op
         # holders of each storage in eager (NOTE [Who holds a storage])
         last_use = np.full(len(st), -1, dtype=np.int64)
         for i, o in enumerate(profile.ops):
@@ -105,23 +113,37 @@ class Simulator:
         added = 0.0
         active = {(ui, ii) for ui in state for ii in range(len(self.units[ui].instances))}
         holders: dict[int, list[int]] = {}  # storage -> ends of its holders that the plan adds
-        recomputed: set[int] = set()
         touched: set[int] = set()
+        # NOTE [Prefetch]: a region's offloaded outputs are copied back when the region before it in backward order
+        # starts its replay, so the copy overlaps that region's backward.
+        replays = sorted(inst.t_r for ui in state for inst in self.units[ui].instances if inst.t_r >= 0)
+        exposed = lane = 0.0
 
         for ui, cached in state.items():
             unit = self.units[ui]
-            saved = unit.forced_save | cached
+            on_device, offloaded = kept_split(cached)
+            saved = unit.forced_save | on_device | offloaded
             for ii, inst in enumerate(unit.instances):
                 last = inst.l_r if inst.l_r >= 0 else n
+                pos = int(np.searchsorted(replays, inst.t_r)) if inst.t_r >= 0 else 0
+                prefetch = replays[pos - 1] if pos > 0 else max(inst.t_r, 0)
                 for k, s in enumerate(inst.sids):
                     touched.add(s)
-                    if inst.producer[k] in saved:
+                    if inst.producer[k] in offloaded:
+                        seconds = float(nb[s]) / self.host_bandwidth
+                        done = int(np.searchsorted(self.op_time, self.op_time[self.alloc[s]] + seconds))
+                        holders.setdefault(s, []).append(min(done, n))
+                        if inst.t_r >= 0:
+                            extra_copies.append([prefetch, max(last, inst.bwd_end[k]), s])
+                            window = self.op_time[inst.t_r] - self.op_time[prefetch]
+                            exposed += max(0.0, seconds - window)
+                        lane += 2 * seconds
+                    elif inst.producer[k] in saved:
                         if inst.mutated_at[k] >= 0:  # the cache holds a copy-on-write clone, not the storage
                             extra_copies.append([inst.mutated_at[k], last, s])
                         else:
                             holders.setdefault(s, []).append(last)
                     else:
-                        recomputed.add(s)
                         if inst.packed[k] and inst.t_r >= 0 and inst.bwd_end[k] >= inst.t_r:
                             extra_copies.append([inst.t_r, inst.bwd_end[k], s])
                 for s in inst.external_inputs:
@@ -138,6 +160,8 @@ class Simulator:
             intervals[s] = [[int(self.alloc[s]), max(ends + [int(self.alloc[s])])]]
         for i, copy in enumerate(extra_copies):
             intervals[-1 - i] = [copy]
+        # copies run on their own lane: exposed where a prefetch is late, and wherever the lane is busier than the step
+        added += max(exposed, lane - self.profile.eager_step_seconds)
         return delta, intervals, added
 
     def _replay(self, ui: int, ii: int, saved: set[int], delta: np.ndarray) -> float:

@@ -27,6 +27,7 @@ class RegionPlan:
         call: which call of that module within one call of the root model (0 for the first).
         ops: the aten op names the module's forward dispatched when profiled, in order: the runtime's guard.
         save: local indices (into ``ops``) of ops whose outputs are kept from forward; every other op is replayed.
+        offload: the subset of ``save`` whose outputs wait in host memory between forward and replay.
         protect: local index -> names of arguments written to module state (BatchNorm running stats,
             ``num_batches_tracked``); the replay writes to private copies so the state is updated exactly once.
         input_shapes: shapes of the tensor arguments when profiled; other shapes run the module plainly.
@@ -36,6 +37,7 @@ class RegionPlan:
     call: int
     ops: list[str]
     save: list[int]
+    offload: list[int] = field(default_factory=list)
     protect: dict[int, list[str]] = field(default_factory=dict)
     input_shapes: list[list[int]] = field(default_factory=list)
 

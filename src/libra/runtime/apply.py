@@ -13,7 +13,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from libra.errors import LibraError, PlanMismatchError
 from libra.planner.types import Decision, Plan, RegionPlan
 from libra.profiler import model_signature
-from libra.runtime.region import RegionRun
+from libra.runtime.region import OffloadContext, RegionRun
 from libra.units import format_bytes
 
 __all__ = ["apply"]
@@ -70,7 +70,9 @@ class _RegionForward:
                 region.input_shapes,
             )
             return self.forward(*args, **kwargs)
-        run = RegionRun(region, self.forward)
+        run = RegionRun(region, self.forward, self.session.offload)
+        if self.session.offload is not None:
+            self.session.offload.register(run)
         return torch_checkpoint.checkpoint(
             run.run,
             *args,
@@ -92,6 +94,9 @@ class _Session:
         self._saved: list[tuple[torch.nn.Module, object]] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._noted: set = set()
+        offloads = any(r.offload for r in plan.regions)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.offload = OffloadContext(device) if offloads else None
 
     def next_region(self, fqn: str) -> RegionPlan | None:
         call = self.counts.get(fqn, 0)
@@ -106,6 +111,8 @@ class _Session:
     def _root_pre_hook(self, module, args):
         if torch.is_grad_enabled():
             self.counts = {}
+            if self.offload is not None:
+                self.offload.new_step()
 
     def install(self) -> None:
         """Marks the model as under a plan and, when the plan checkpoints anything, wraps the planned modules."""

@@ -15,7 +15,10 @@ NOTE [Region executor contract]
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -24,8 +27,9 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from libra._ops import UNCOUNTED, arg_values, op_info, storage_key, tensors_in
 from libra.errors import LibraError
 from libra.planner.types import RegionPlan
+from libra.runtime.offload import HostCopy, HostPool
 
-__all__ = ["RegionRun"]
+__all__ = ["RegionRun", "OffloadContext"]
 
 log = logging.getLogger("libra")
 
@@ -53,13 +57,58 @@ def _restore_generators(states) -> None:
             torch.cuda.set_rng_state(state, gen)
 
 
+_INTERNAL = threading.local()
+
+
+@contextlib.contextmanager
+def _internal():
+    """Ops Libra itself runs inside a region's replay (another region's prefetch): not part of the op sequence."""
+    _INTERNAL.active = getattr(_INTERNAL, "active", 0) + 1
+    try:
+        yield
+    finally:
+        _INTERNAL.active -= 1
+
+
+def _uncounted(func) -> bool:
+    return func in UNCOUNTED or getattr(_INTERNAL, "active", 0) > 0
+
+
+class OffloadContext:
+    """What the calls of one ``apply`` share for offloading: the host pool, the copy stream, the prefetch order."""
+
+    def __init__(self, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.pool = HostPool(pin=cuda)
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.runs: list = []  # weak references to this step's region calls, in forward order
+
+    def new_step(self) -> None:
+        self.runs = []
+
+    def register(self, run: "RegionRun") -> None:
+        self.runs.append(weakref.ref(run))
+
+    def replay_started(self, run: "RegionRun") -> None:
+        """NOTE [Prefetch]: when a call's replay starts, the call before it in forward order (next in backward)
+        starts bringing its offloaded outputs back."""
+        for i, ref in enumerate(self.runs):
+            if ref() is run:
+                if i > 0 and self.runs[i - 1]() is not None:
+                    with _internal():
+                        self.runs[i - 1]().prefetch()
+                return
+
+
 class RegionRun:
     """State of one checkpointed call of one module: the cache shared by its forward and its replays."""
 
-    def __init__(self, region: RegionPlan, forward) -> None:
+    def __init__(self, region: RegionPlan, forward, offload: "OffloadContext | None" = None) -> None:
         self.region = region
         self.forward = forward
         self.save = set(region.save)
+        self.offload = set(region.offload) if offload is not None else set()
+        self.offload_ctx = offload
         self.funcs: list[object] = []  # ops the forward dispatched, in order
         self.cache: dict[int, object] = {}  # local op index -> outputs (detached)
         self.cached_by_storage: dict[int, list[int]] = {}
@@ -82,6 +131,8 @@ class RegionRun:
         else:
             self.replay_index = 0
             self.replay_storages = set()
+            if self.offload_ctx is not None:
+                self.offload_ctx.replay_started(self)
             for i, (t, version) in enumerate(self.input_versions):
                 if t._version != version:
                     raise LibraError(
@@ -91,8 +142,21 @@ class RegionRun:
                     )
         return self.forward(*args, **kwargs)
 
+    def prefetch(self) -> None:
+        """Starts bringing this call's offloaded outputs back to the device."""
+        stream = self.offload_ctx.stream if self.offload_ctx is not None else None
+        for out in self.cache.values():
+            for leaf in tree_leaves(out, is_leaf=lambda x: isinstance(x, HostCopy)):
+                if isinstance(leaf, HostCopy):
+                    leaf.prefetch(stream)
+
     # ---- forward ------------------------------------------------------------------------------------------
     def keep(self, index: int, out) -> None:
+        if index in self.offload and self.following:
+            ctx = self.offload_ctx
+            self.cache[index] = tree_map_only(torch.Tensor, lambda t: HostCopy(t, ctx.pool, ctx.stream), out)
+            return
+
         def detach(t: torch.Tensor) -> torch.Tensor:
             key = storage_key(t)
             if key is not None:
@@ -134,7 +198,7 @@ class _ForwardMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in UNCOUNTED:
+        if _uncounted(func):
             return func(*args, **kwargs)
         r = self.r
         index = len(r.funcs)
@@ -159,7 +223,7 @@ class _ReplayMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in UNCOUNTED:
+        if _uncounted(func):
             return func(*args, **kwargs)
         r = self.r
         index = r.replay_index
@@ -175,7 +239,7 @@ class _ReplayMode(TorchDispatchMode):
         if cached is not None:
             if index in r.rng_after:
                 _restore_generators(r.rng_after[index])
-            out = tree_map_only(torch.Tensor, lambda t: t.detach(), cached)
+            out = tree_map_only(torch.Tensor, lambda t: t.detach(), _on_device(r, cached))
         else:
             names = set(r.region.protect.get(index, ())) if index < r.diverged_at else set()
             info = op_info(func)
@@ -189,6 +253,18 @@ class _ReplayMode(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 r.replay_storages.add(storage_key(t))
         return out
+
+
+def _on_device(r: RegionRun, cached):
+    """The cached outputs with offloaded ones brought back (their host buffers go back to the pool)."""
+
+    def back(h: HostCopy) -> torch.Tensor:
+        with _internal():
+            t = h.get(r.offload_ctx.stream)
+            h.close()
+        return t
+
+    return tree_map_only(HostCopy, back, cached)
 
 
 def _private_copies(func, args, kwargs, names):

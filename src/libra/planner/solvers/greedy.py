@@ -13,52 +13,100 @@ import numpy as np
 
 from libra.planner.simulate import REGION_OVERHEAD_SECONDS, Simulator, State
 
-__all__ = ["Effects", "full_state", "state_for", "solve"]
+__all__ = ["Effects", "full_state", "state_for", "solve", "RECOMPUTE", "OFFLOAD"]
 
 _UNDO_TRIES = 256
 
 
-def full_state(sim: Simulator) -> State:
-    """Every candidate of every unit recomputed: the lowest peak the region executor reaches."""
-    return {ui: frozenset() for ui, unit in enumerate(sim.units) if unit.candidates}
+RECOMPUTE, OFFLOAD = "recompute", "offload"
 
 
 def state_for(sim: Simulator, moves) -> State:
-    """The state in which exactly ``moves`` (``(unit, local op)`` pairs) are recomputed."""
-    recomputed: dict[int, set[int]] = {}
-    for ui, j in moves:
-        recomputed.setdefault(ui, set()).add(j)
-    return {ui: frozenset(set(sim.units[ui].candidates) - js) for ui, js in recomputed.items()}
+    """The state in which exactly ``moves`` (``(unit, local op, kind)``) are taken; other candidates stay kept."""
+    changed: dict[int, dict[int, str]] = {}
+    for ui, j, kind in moves:
+        changed.setdefault(ui, {})[j] = kind
+    state: State = {}
+    for ui, kinds in changed.items():
+        kept = [j for j in sim.units[ui].candidates if j not in kinds]
+        kept += [~j for j, kind in kinds.items() if kind == OFFLOAD]
+        state[ui] = frozenset(kept)
+    return state
+
+
+def full_state(sim: Simulator, kinds=(RECOMPUTE,)) -> State:
+    """Every candidate of every unit evicted by one mechanism: the lowest peak that mechanism reaches.
+
+    With several kinds allowed, the one whose full state has the lower simulated peak.
+    """
+    states = [
+        state_for(sim, [(ui, j, kind) for ui, unit in enumerate(sim.units) for j in unit.candidates
+                        if kind == RECOMPUTE or j in unit.offloadable])
+        for kind in kinds
+    ]
+    return min(states, key=lambda st: (sim.run(st).peak_bytes, sim.run(st).added_seconds))
 
 
 class Effects:
-    """Per-decision effects on the live curve and their costs in seconds, measured one decision at a time."""
+    """Per-decision effects on the live curve and their costs in seconds, measured one decision at a time.
 
-    def __init__(self, sim: Simulator) -> None:
+    Moves are ``(unit, local op, kind)``: recompute the op's outputs, or offload them to host memory.
+    """
+
+    def __init__(self, sim: Simulator, kinds=(RECOMPUTE,)) -> None:
+        self.kinds = tuple(kinds)
         self.eager, _ = sim.live({})
         per_op = sim.per_op
-        self.moves: list[tuple[int, int]] = []
-        unit_cols, move_cols, unit_cost, move_cost, move_unit = [], [], [], [], []
+        self.moves: list[tuple[int, int, str]] = []
+        self.cand_of: list[tuple[int, int]] = []  # candidate index -> (unit, local op)
+        unit_cols, move_cols, unit_cost, move_cost, move_unit, move_cand = [], [], [], [], [], []
         for ui, unit in enumerate(sim.units):
             k = len(unit.instances)
             cand = set(unit.candidates)
-            on, _ = sim.live({ui: frozenset(cand)})
+            on, on_added = sim.live({ui: frozenset(cand)})
             unit_cols.append(on - self.eager)
             always = sum(unit.op_seconds[j] / k for j in range(len(unit.op_names))
                          if j not in cand and j not in unit.forced_save)
             unit_cost.append(always + len(unit.op_names) * 2 * per_op + REGION_OVERHEAD_SECONDS)
             for j in unit.candidates:
-                one, _ = sim.live({ui: frozenset(cand - {j})})
-                move_cols.append(one - on)
-                move_cost.append(unit.op_seconds[j] / k + 2 * per_op)
-                move_unit.append(ui)
-                self.moves.append((ui, j))
+                n_cand = len(self.cand_of)
+                self.cand_of.append((ui, j))
+                for kind in self.kinds:
+                    if kind == OFFLOAD and j not in unit.offloadable:
+                        continue
+                    if kind == RECOMPUTE:
+                        one, _ = sim.live({ui: frozenset(cand - {j})})
+                        cost = unit.op_seconds[j] / k + 2 * per_op
+                    else:
+                        one, added = sim.live({ui: frozenset((cand - {j}) | {~j})})
+                        cost = max(added - on_added, 1e-7)
+                    move_cols.append(one - on)
+                    move_cost.append(cost)
+                    move_unit.append(ui)
+                    move_cand.append(n_cand)
+                    self.moves.append((ui, j, kind))
         n_t = len(self.eager)
         self.unit_delta = np.stack(unit_cols, axis=1) if unit_cols else np.zeros((n_t, 0), dtype=np.int64)
         self.move_delta = np.stack(move_cols, axis=1) if move_cols else np.zeros((n_t, 0), dtype=np.int64)
         self.unit_cost = np.array(unit_cost, dtype=np.float64)
         self.move_cost = np.array(move_cost, dtype=np.float64)
         self.move_unit = np.array(move_unit, dtype=np.int64)
+        self.move_cand = np.array(move_cand, dtype=np.int64)  # moves of one candidate exclude each other
+
+    def take(self, taken: np.ndarray, i: int) -> None:
+        taken[self.move_cand == self.move_cand[i]] = True
+
+
+def _moves_of(fx: Effects, state: State) -> list[int]:
+    """Indices of the moves that make ``state``."""
+    out = []
+    for i, (ui, j, kind) in enumerate(fx.moves):
+        kept = state.get(ui)
+        if kept is None:
+            continue
+        if (kind == OFFLOAD and ~j in kept) or (kind == RECOMPUTE and j not in kept and ~j not in kept):
+            out.append(i)
+    return out
 
 
 def _best_option(fx: Effects, t: int, on: np.ndarray, taken: np.ndarray) -> list[int]:
@@ -87,6 +135,8 @@ def _best_option(fx: Effects, t: int, on: np.ndarray, taken: np.ndarray) -> list
             continue
         idx, red, cost = idx[good], red[good], cost[good]
         order = np.argsort(-(red / np.maximum(cost, 1e-9)), kind="stable")
+        _, first = np.unique(fx.move_cand[idx[order]], return_index=True)  # one mechanism per candidate
+        order = order[np.sort(first)]
         total_red = -fx.unit_delta[t, ui] + np.cumsum(red[order])
         total_cost = fx.unit_cost[ui] + np.cumsum(cost[order])
         ratio = np.where(total_red > 0, total_red / np.maximum(total_cost, 1e-9), -np.inf)
@@ -117,17 +167,19 @@ def _undo(sim: Simulator, fx: Effects, chosen: list[int], budget: int) -> list[i
     return chosen
 
 
-def _grow(sim: Simulator, fx: Effects, budget: int, chosen: list[int], banned: set[int]) -> list[int] | None:
-    """Adds moves to ``chosen`` (never in units of ``banned``) until the simulated peak fits; None if stuck."""
+def _grow(sim: Simulator, fx: Effects, budget: int, chosen: list[int], banned: set[int],
+          allowed: np.ndarray) -> list[int] | None:
+    """Adds ``allowed`` moves to ``chosen`` (never in units of ``banned``) until the simulated peak fits; None if
+    stuck."""
     on = np.zeros(len(sim.units), dtype=bool)
-    taken = np.zeros(len(fx.moves), dtype=bool)
+    taken = ~allowed
     for ui in banned:
         taken[fx.move_unit == ui] = True
     if chosen:
         live, _ = sim.live(state_for(sim, [fx.moves[i] for i in chosen]))
         live = live.astype(np.int64)
         for i in chosen:
-            taken[i] = True
+            fx.take(taken, i)
             on[fx.move_unit[i]] = True
     else:
         live = fx.eager.astype(np.int64).copy()
@@ -149,7 +201,7 @@ def _grow(sim: Simulator, fx: Effects, budget: int, chosen: list[int], banned: s
             if not on[ui]:
                 live += fx.unit_delta[:, ui]
                 on[ui] = True
-            taken[i] = True
+            fx.take(taken, i)
             chosen.append(i)
 
 
@@ -158,27 +210,49 @@ def _cost(fx: Effects, chosen: list[int]) -> float:
     return float(fx.move_cost[chosen].sum() + fx.unit_cost[list(units)].sum()) if chosen else 0.0
 
 
-def solve(sim: Simulator, budget: int, effects: Effects | None = None) -> State | None:
-    """The greedy state for ``budget``, or None when even recomputing every candidate does not fit."""
-    if sim.run({}).peak_bytes <= budget:
-        return {}
-    if sim.run(full_state(sim)).peak_bytes > budget:
+def _search(sim: Simulator, fx: Effects, budget: int, kinds: tuple[str, ...]) -> list[int] | None:
+    """Greedy growth, undo and polish with moves of ``kinds`` only; None when even evicting everything fails."""
+    allowed = np.array([kind in kinds for _, _, kind in fx.moves], dtype=bool)
+    full = full_state(sim, kinds)
+    if sim.run(full).peak_bytes > budget:
         return None
-    fx = Effects(sim) if effects is None else effects
-    chosen = _grow(sim, fx, budget, [], set())
+    chosen = _grow(sim, fx, budget, [], set(), allowed)
     if chosen is None:
-        # Nothing frees bytes at some peak (a replay's own transient, say): start from recomputing everything,
+        # Nothing frees bytes at some peak (a replay's own transient, say): start from evicting everything,
         # which fits, and keep what is not needed.
-        chosen = list(range(len(fx.moves)))
+        chosen = _moves_of(fx, full)
     chosen = _undo(sim, fx, chosen, budget)
     # Polish: try doing without each checkpointed unit, regrowing elsewhere; keep what is cheaper.
     for ui in sorted({int(fx.move_unit[i]) for i in chosen}):
         if ui not in {int(fx.move_unit[i]) for i in chosen}:
             continue
         rest = [i for i in chosen if fx.move_unit[i] != ui]
-        trial = _grow(sim, fx, budget, rest, {ui})
+        trial = _grow(sim, fx, budget, rest, {ui}, allowed)
         if trial is not None:
             trial = _undo(sim, fx, trial, budget)
             if _cost(fx, trial) < _cost(fx, chosen):
                 chosen = trial
-    return state_for(sim, [fx.moves[c] for c in chosen])
+    return chosen
+
+
+def solve(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RECOMPUTE,)) -> State | None:
+    """The greedy state for ``budget``, or None when even evicting every candidate does not fit.
+
+    With both mechanisms allowed, the search also runs with each alone and the cheapest simulated plan wins: a
+    greedy that mixes them from the first move can miss a plan that uses one throughout.
+    """
+    if sim.run({}).peak_bytes <= budget:
+        return {}
+    fx = Effects(sim, kinds) if effects is None else effects
+    variants = [fx.kinds] + ([(k,) for k in fx.kinds] if len(fx.kinds) > 1 else [])
+    best: State | None = None
+    best_seconds = float("inf")
+    for variant in variants:
+        chosen = _search(sim, fx, budget, variant)
+        if chosen is None:
+            continue
+        state = state_for(sim, [fx.moves[c] for c in chosen])
+        seconds = sim.run(state).added_seconds
+        if seconds < best_seconds:
+            best, best_seconds = state, seconds
+    return best
