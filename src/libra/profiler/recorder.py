@@ -31,6 +31,7 @@ class Recorder(TorchDispatchMode):
     def __init__(self, device: torch.device, buffer_keys: set[int]) -> None:
         super().__init__()
         self.device = device
+        self.cuda = device.type == "cuda"
         self.buffer_keys = buffer_keys
         self.ops: list[OpRecord] = []
         self.storages: list[StorageRecord] = []
@@ -119,8 +120,12 @@ class Recorder(TorchDispatchMode):
                 elif storage_key(t) in self.buffer_keys:
                     # NOTE [Undeclared writes]: native_batch_norm updates running stats without its schema saying so.
                     watched.append((name, t, t.detach().clone(), sid))
+        if self.cuda:  # kernels are asynchronous: time each op to its completion
+            torch.cuda.synchronize(self.device)
         t0 = time.perf_counter_ns()
         out = func(*args, **kwargs)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
         t1 = time.perf_counter_ns()
         undeclared = []
         for name, t, before, sid in watched:

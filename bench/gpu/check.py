@@ -1,0 +1,151 @@
+"""The GPU check (issue 3): eager vs save_on_cpu vs per-block checkpoint vs Libra (recompute, offload, both) at 30%
+and 50% of eager's activation memory, on a GPT-2-small-like model and a ResNet-50-like model. One CUDA device.
+
+Prints one line per method and writes bench/results/gpu-<date>.json. Run with bench/gpu/run.sh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.utils.checkpoint as tc
+
+import libra
+from libra.planner import Planning
+from libra.testing import models
+
+STEPS = 5
+
+
+def _step(model, x, y, loss_fn, seed):
+    torch.manual_seed(seed)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    loss_fn(model(x), y).backward()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, torch.cuda.max_memory_allocated()
+
+
+def _grads(model):
+    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+
+def _equal(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+class _Checkpointed:
+    """Per-block torch.utils.checkpoint by instance-attribute forward, removed on exit."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    def __enter__(self):
+        for b in self.blocks:
+            f = b.forward
+            b.forward = lambda *a, _f=f, **k: tc.checkpoint(_f, *a, use_reentrant=False, **k)
+
+    def __exit__(self, *exc):
+        for b in self.blocks:
+            del b.forward
+
+
+def run_model(name, make, blocks_of, shares=(0.5, 0.3)):
+    model, x, y, loss_fn = make()
+    model, x, y = model.cuda(), x.cuda(), y.cuda()
+    base = copy.deepcopy(model)
+    rows = []
+
+    def measure(label, m, ctx_fn, plan=None):
+        times, peaks = [], []
+        grads = None
+        for i in range(STEPS + 1):
+            m.zero_grad(set_to_none=True)
+            with ctx_fn():
+                t, peak = _step(m, x, y, loss_fn, seed=i)
+            if i == 0:
+                grads = _grads(m)
+            else:
+                times.append(t)
+                peaks.append(peak)
+        m.zero_grad(set_to_none=True)
+        row = {"method": label, "median_s": statistics.median(times), "max_memory_allocated": max(peaks),
+               "grads": grads}
+        if plan is not None:
+            row.update(budget=plan.budget_bytes, predicted_peak=plan.predicted_peak_bytes,
+                       counts={d.value: c for d, c in plan.counts.items()})
+        rows.append(row)
+        return row
+
+    eager = measure("eager", model, contextlib.nullcontext)
+    eager2 = measure("eager (again)", copy.deepcopy(base), contextlib.nullcontext)
+    deterministic = _equal(eager["grads"], eager2["grads"])
+    measure("save_on_cpu", copy.deepcopy(base), lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
+    ck = copy.deepcopy(base)
+    measure("checkpoint every block", ck, lambda: _Checkpointed(blocks_of(ck)))
+    ours = copy.deepcopy(base)
+    ours.zero_grad(set_to_none=True)
+    loss_fn(ours(x), y).backward()  # warm-up
+    ours.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    prof = libra.profile(ours, lambda: loss_fn(ours(x), y).backward())
+    ours.zero_grad(set_to_none=True)
+    for share in shares:
+        for decisions in ({"keep", "recompute"}, {"keep", "offload"}, {"keep", "recompute", "offload"}):
+            label = f"libra {'+'.join(sorted(decisions - {'keep'}))} {share:.0%}"
+            try:
+                t0 = time.perf_counter()
+                planning = Planning(prof, None, decisions)
+                plan = libra.plan(planning, prof.budget_for_share(share))
+                m = copy.deepcopy(base)
+                row = measure(label, m, lambda p=plan, m=m: libra.apply(m, p), plan)
+                row["planner_s"] = time.perf_counter() - t0
+            except libra.BudgetInfeasibleError as e:
+                rows.append({"method": label, "infeasible": True, "min_budget_bytes": e.min_budget_bytes})
+    out = []
+    for r in rows:
+        g = r.pop("grads", None)
+        if g is not None:
+            r["grads_equal_eager"] = _equal(g, eager["grads"])
+            r["ratio_to_eager"] = r["median_s"] / eager["median_s"]
+        out.append(r)
+        print(name, json.dumps(r), flush=True)
+    return {"model": name, "eager_deterministic": deterministic, "static_bytes": prof.static_bytes,
+            "eager_peak_bytes_profile": prof.eager_peak_bytes, "rows": out}
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("bench/gpu/check.py: no CUDA device; nothing to check", file=sys.stderr)
+        return 2
+    gpt = lambda: models.make_gpt(batch=8, layers=12, d=768, heads=12, seq=1024, vocab=50304, dropout=0.1)  # noqa
+    resnet = lambda: models.make_resnet(batch=32, size=128, widths=(64, 128, 256, 512), blocks=(3, 4, 6, 3))  # noqa
+    results = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "models": [
+            run_model("gpt2-small-like", gpt, lambda m: list(m.blocks)),
+            run_model("resnet50-like", resnet, lambda m: [b for stage in m.layers for b in stage]),
+        ],
+    }
+    path = Path(__file__).resolve().parents[1] / "results" / f"gpu-{datetime.date.today()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
