@@ -24,16 +24,20 @@ from libra.planner import Planning
 from libra.testing import models
 
 STEPS = 5
+DEVICE = "cuda"  # "cpu" with --smoke: tiny models, no memory figures, to check the script itself
 
 
 def _step(model, x, y, loss_fn, seed):
     torch.manual_seed(seed)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    cuda = DEVICE == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     loss_fn(model(x), y).backward()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0, torch.cuda.max_memory_allocated()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, torch.cuda.max_memory_allocated() if cuda else 0
 
 
 def _grads(model):
@@ -62,7 +66,7 @@ class _Checkpointed:
 
 def run_model(name, make, blocks_of, shares=(0.5, 0.3)):
     model, x, y, loss_fn = make()
-    model, x, y = model.cuda(), x.cuda(), y.cuda()
+    model, x, y = model.to(DEVICE), x.to(DEVICE), y.to(DEVICE)
     base = copy.deepcopy(model)
     rows = []
 
@@ -90,7 +94,8 @@ def run_model(name, make, blocks_of, shares=(0.5, 0.3)):
     eager = measure("eager", model, contextlib.nullcontext)
     eager2 = measure("eager (again)", copy.deepcopy(base), contextlib.nullcontext)
     deterministic = _equal(eager["grads"], eager2["grads"])
-    measure("save_on_cpu", copy.deepcopy(base), lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
+    measure("save_on_cpu", copy.deepcopy(base),
+            lambda: torch.autograd.graph.save_on_cpu(pin_memory=DEVICE == "cuda"))
     ck = copy.deepcopy(base)
     measure("checkpoint every block", ck, lambda: _Checkpointed(blocks_of(ck)))
     ours = copy.deepcopy(base)
@@ -105,18 +110,20 @@ def run_model(name, make, blocks_of, shares=(0.5, 0.3)):
             label = f"libra {'+'.join(sorted(decisions - {'keep'}))} {share:.0%}"
             try:
                 t0 = time.perf_counter()
-                planning = Planning(prof, None, decisions)
+                planning = Planning(prof, None if DEVICE == "cuda" else 1e10, decisions)
                 plan = libra.plan(planning, prof.budget_for_share(share))
+                planner_s = time.perf_counter() - t0
                 m = copy.deepcopy(base)
                 row = measure(label, m, lambda p=plan, m=m: libra.apply(m, p), plan)
-                row["planner_s"] = time.perf_counter() - t0
+                row["planner_s"] = planner_s
             except libra.BudgetInfeasibleError as e:
                 rows.append({"method": label, "infeasible": True, "min_budget_bytes": e.min_budget_bytes})
     out = []
+    reference = eager["grads"]
     for r in rows:
         g = r.pop("grads", None)
         if g is not None:
-            r["grads_equal_eager"] = _equal(g, eager["grads"])
+            r["grads_equal_eager"] = _equal(g, reference)
             r["ratio_to_eager"] = r["median_s"] / eager["median_s"]
         out.append(r)
         print(name, json.dumps(r), flush=True)
@@ -125,14 +132,22 @@ def run_model(name, make, blocks_of, shares=(0.5, 0.3)):
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("bench/gpu/check.py: no CUDA device; nothing to check", file=sys.stderr)
+    global DEVICE
+    smoke = "--smoke" in sys.argv
+    if smoke:
+        DEVICE = "cpu"
+        gpt = lambda: models.make_gpt(batch=4, layers=4, d=64, heads=4, seq=64, vocab=128)  # noqa
+        resnet = lambda: models.make_resnet(batch=8, size=16)  # noqa
+    elif not torch.cuda.is_available():
+        print("bench/gpu/check.py: no CUDA device; nothing to check (--smoke runs tiny models on the CPU)",
+              file=sys.stderr)
         return 2
-    gpt = lambda: models.make_gpt(batch=8, layers=12, d=768, heads=12, seq=1024, vocab=50304, dropout=0.1)  # noqa
-    resnet = lambda: models.make_resnet(batch=32, size=128, widths=(64, 128, 256, 512), blocks=(3, 4, 6, 3))  # noqa
+    else:
+        gpt = lambda: models.make_gpt(batch=8, layers=12, d=768, heads=12, seq=1024, vocab=50304, dropout=0.1)  # noqa
+        resnet = lambda: models.make_resnet(batch=32, size=128, widths=(64, 128, 256, 512), blocks=(3, 4, 6, 3))  # noqa
     results = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)",
         "torch": torch.__version__,
         "platform": platform.platform(),
         "models": [
@@ -140,6 +155,8 @@ def main() -> int:
             run_model("resnet50-like", resnet, lambda m: [b for stage in m.layers for b in stage]),
         ],
     }
+    if smoke:
+        return 0
     path = Path(__file__).resolve().parents[1] / "results" / f"gpu-{datetime.date.today()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
