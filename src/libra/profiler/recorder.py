@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from libra._forward import ForwardSwaps
 from libra._ops import UNCOUNTED, arg_values, op_info, storage_key, tensors_in
 from libra.profiler.types import ModuleCall, OpRecord, PackRecord, StorageRecord
 
@@ -205,20 +206,14 @@ class ModuleProbes:
         self.calls: list[ModuleCall] = []
         self.root_calls = 0
         self._counts: dict[str, int] = {}
-        self._saved: list[tuple[torch.nn.Module, object]] = []
+        self._swaps = ForwardSwaps()
 
     def install(self) -> None:
         for fqn, module in self.model.named_modules():
-            self._saved.append((module, module.__dict__.get("forward")))
-            module.forward = _ForwardProbe(self, fqn, module.forward)
+            self._swaps.replace(module, lambda forward, fqn=fqn: _ForwardProbe(self, fqn, forward))
 
     def remove(self) -> None:
-        for module, previous in reversed(self._saved):
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous
-        self._saved.clear()
+        self._swaps.restore()
 
     def enter(self, fqn: str, args) -> ModuleCall | None:
         rec = self.recorder

@@ -10,6 +10,7 @@ from typing import Iterator
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
+from libra._forward import ForwardSwaps
 from libra.errors import LibraError, PlanMismatchError
 from libra.planner.types import Decision, Plan, RegionPlan
 from libra.profiler import model_signature
@@ -91,7 +92,7 @@ class _Session:
         self.plan = plan
         self.regions: dict[tuple[str, int], RegionPlan] = {(r.module, r.call): r for r in plan.regions}
         self.counts: dict[str, int] = {}
-        self._saved: list[tuple[torch.nn.Module, object]] = []
+        self._swaps = ForwardSwaps()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._noted: set = set()
         offloads = any(r.offload for r in plan.regions)
@@ -127,20 +128,14 @@ class _Session:
                     f"libra.apply: the plan checkpoints module {fqn!r}, which this model does not have. "
                     "Fix: profile and plan this model."
                 )
-            self._saved.append((module, module.__dict__.get("forward")))
-            module.forward = _RegionForward(self, module, fqn, module.forward)
+            self._swaps.replace(module, lambda forward, m=module, fqn=fqn: _RegionForward(self, m, fqn, forward))
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for module, previous in reversed(self._saved):
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous
-        self._saved.clear()
+        self._swaps.restore()
         self.model.__dict__.pop(_ACTIVE_ATTR, None)
 
 

@@ -191,7 +191,9 @@ class RegionRun:
         )
 
 
-class _ForwardMode(TorchDispatchMode):
+class _RegionMode(TorchDispatchMode):
+    """One of the pair of modes of a region call; ops Libra does not count pass straight through."""
+
     def __init__(self, run: RegionRun) -> None:
         super().__init__()
         self.r = run
@@ -200,6 +202,14 @@ class _ForwardMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if _uncounted(func):
             return func(*args, **kwargs)
+        return self.dispatch(func, args, kwargs)
+
+    def dispatch(self, func, args, kwargs):
+        raise NotImplementedError
+
+
+class _ForwardMode(_RegionMode):
+    def dispatch(self, func, args, kwargs):
         r = self.r
         index = len(r.funcs)
         r.funcs.append(func)
@@ -216,15 +226,8 @@ class _ForwardMode(TorchDispatchMode):
         return out
 
 
-class _ReplayMode(TorchDispatchMode):
-    def __init__(self, run: RegionRun) -> None:
-        super().__init__()
-        self.r = run
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _uncounted(func):
-            return func(*args, **kwargs)
+class _ReplayMode(_RegionMode):
+    def dispatch(self, func, args, kwargs):
         r = self.r
         index = r.replay_index
         r.replay_index += 1
