@@ -67,11 +67,11 @@ def _children(profile: Profile) -> dict[int, list[int]]:
 
 
 def _select_calls(profile: Profile, fwd_ops: int) -> list[int]:
-    """Disjoint module calls to use as regions: the root's children, split while larger than a sixth of the forward
+    """Disjoint module calls to use as regions: the root's children, split while larger than a quarter of the forward
     (and than 48 ops: a small block split into its layers would leave nothing inside to recompute)."""
     calls = profile.module_calls
     kids = _children(profile)
-    limit = max(fwd_ops / 6.0, 48.0)
+    limit = max(fwd_ops / 4.0, 48.0)
     chosen: list[int] = []
 
     def visit(i: int) -> None:
@@ -162,17 +162,26 @@ def analyse(profile: Profile) -> tuple[list[Unit], dict[int, str]]:
             rejected[ci] = reason
             continue
         unpacks = [profile.packs[pi] for pi in region_packs if profile.packs[pi].first_unpack >= 0]
+        region_pack_set = set(region_packs)
+        # NOTE [Release after unpack]: autograd lets go of a saved tensor when the node that unpacked it has run,
+        # not at the unpack: the eager free time of a storage that only this region saved is when that happened.
+        own_frees = [
+            storages[p.storage].free_op
+            for p in unpacks
+            if not storages[p.storage].static
+            and all(q in region_pack_set for q in packs_by_storage.get(p.storage, ()))
+            and storages[p.storage].free_op >= first_bwd
+        ]
         inst = RegionInstance(
             call_index=ci,
             start=a,
             end=b,
             t_r=min((p.first_unpack for p in unpacks), default=-1),
-            l_r=max((p.last_unpack for p in unpacks), default=-1),
+            l_r=max([p.last_unpack for p in unpacks] + own_frees, default=-1),
             stop=min(max(profile.packs[pi].pack_op for pi in region_packs), b),
             external_inputs=[s for s in external if not storages[s].static],
             packs=region_packs,
         )
-        region_pack_set = set(region_packs)
         forced: set[int] = set()
         candidate_bytes: dict[int, int] = {}
         not_offloadable: set[int] = set()
@@ -185,18 +194,24 @@ def analyse(profile: Profile) -> tuple[list[Unit], dict[int, str]]:
             uses = fwd_uses.get(s, [])
             escapes = packed_elsewhere or any(u >= b for u in uses) or (not pks and rec.free_op >= b)
             later_writes = [w for w in writes_at.get(s, []) if rec.producer < w < b]
+            # changed in place after the region returned: a cached alias would replay the changed value
+            written_after = any(w >= b for w in writes_at.get(s, []))
             inst.sids.append(s)
             inst.producer.append(local)
             inst.packed.append(packed_here)
             inst.fwd_end.append(max([rec.producer] + [u for u in uses if u < b]))
             inst.mutated_at.append(later_writes[0] if later_writes else -1)
             inst.escapes.append(escapes)
-            inst.bwd_end.append(max((profile.packs[pi].last_unpack for pi in pks if pi in region_pack_set), default=-1))
-            if escapes or later_writes or not packed_here:
+            bwd_end = max((profile.packs[pi].last_unpack for pi in pks if pi in region_pack_set), default=-1)
+            if not packed_elsewhere and rec.free_op >= first_bwd:
+                bwd_end = max(bwd_end, rec.free_op)  # NOTE [Release after unpack]
+            inst.bwd_end.append(bwd_end)
+            if escapes or later_writes or written_after or not packed_here:
                 not_offloadable.add(local)
-            if escapes and not later_writes:
+            if escapes and not later_writes and not written_after:
                 forced.add(local)
-            elif packed_here and not later_writes:
+            elif packed_here and not escapes:
+                # kept, one changed later in the region costs a copy-on-write clone: the simulator counts it
                 candidate_bytes[local] = candidate_bytes.get(local, 0) + rec.nbytes
         names = [ops[i].name for i in range(a, b)]
         key = (c.module, c.call)

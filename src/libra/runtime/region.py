@@ -111,6 +111,7 @@ class RegionRun:
         self.offload_ctx = offload
         self.funcs: list[object] = []  # ops the forward dispatched, in order
         self.cache: dict[int, object] = {}  # local op index -> outputs (detached)
+        self.versions: dict[int, list[int]] = {}  # local op index -> version counters of the cached outputs
         self.cached_by_storage: dict[int, list[int]] = {}
         self.rng_after: dict[int, list] = {}
         self.following = True  # the forward still matches the profiled op sequence
@@ -140,7 +141,10 @@ class RegionRun:
                         "ran, so recomputing it would give wrong gradients. Fix: avoid the in-place change (use an "
                         "out-of-place op), or plan without this module."
                     )
-        return self.forward(*args, **kwargs)
+        out = self.forward(*args, **kwargs)
+        if self.calls == 1 and self.following and len(self.funcs) != len(self.region.ops):
+            self.diverged(len(self.funcs), "no further op")
+        return out
 
     def prefetch(self) -> None:
         """Starts bringing this call's offloaded outputs back to the device."""
@@ -164,6 +168,22 @@ class RegionRun:
             return t.detach()
 
         self.cache[index] = tree_map_only(torch.Tensor, detach, out)
+        self._note_versions(index)
+
+    def _note_versions(self, index: int) -> None:
+        self.versions[index] = [t._version for t in tree_leaves(self.cache[index]) if isinstance(t, torch.Tensor)]
+
+    def check_versions(self, index: int) -> None:
+        """A cached alias changed in place outside the region (where copy-on-write cannot see it) would replay
+        the changed value: refuse loudly rather than return a wrong gradient."""
+        now = [t._version for t in tree_leaves(self.cache[index]) if isinstance(t, torch.Tensor)]
+        if now != self.versions.get(index, now):
+            raise LibraError(
+                f"libra.apply: an output of op {index} ({self.region.ops[index] if index < len(self.region.ops) else '?'}) "
+                f"of {self.region.module!r} was changed in place after the module returned, so replaying the module "
+                "would give wrong gradients. Fix: re-profile and re-plan (the planner then recomputes that output), "
+                "or use an out-of-place op."
+            )
 
     def copy_on_write(self, func, args, kwargs) -> None:
         info = op_info(func)
@@ -176,6 +196,7 @@ class RegionRun:
                     self.cache[index] = tree_map_only(
                         torch.Tensor, lambda c: c.clone() if storage_key(c) == key else c, self.cache[index]
                     )
+                    self._note_versions(index)
 
     def diverged(self, index: int, name: str) -> None:
         self.following = False
@@ -240,6 +261,7 @@ class _ReplayMode(_RegionMode):
             )
         cached = r.cache.get(index)
         if cached is not None:
+            r.check_versions(index)
             if index in r.rng_after:
                 _restore_generators(r.rng_after[index])
             out = tree_map_only(torch.Tensor, lambda t: t.detach(), _on_device(r, cached))
