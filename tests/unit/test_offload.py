@@ -33,8 +33,8 @@ def test_gradients_exact(case, decisions):
 
 
 def test_bandwidth_decides_the_trade(case):
-    slow = _plan(case, {"keep", "recompute", "offload"}, SLOW)
-    fast = _plan(case, {"keep", "recompute", "offload"}, FAST)
+    slow = _plan(case, {"keep", "recompute", "offload"}, SLOW, share=0.75)
+    fast = _plan(case, {"keep", "recompute", "offload"}, FAST, share=0.75)
     assert slow.counts[libra.Decision.OFFLOAD] == 0 and slow.counts[libra.Decision.RECOMPUTE] > 0
     assert fast.counts[libra.Decision.OFFLOAD] > 0
     assert fast.predicted_step_seconds <= slow.predicted_step_seconds
