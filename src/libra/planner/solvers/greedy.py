@@ -16,6 +16,8 @@ from libra.planner.simulate import REGION_OVERHEAD_SECONDS, Simulator, State
 __all__ = ["Effects", "full_state", "state_for", "solve", "RECOMPUTE", "OFFLOAD"]
 
 _UNDO_TRIES = 256
+_POLISH_UNITS = 12
+_EXCHANGE_UNITS = 4
 
 
 RECOMPUTE, OFFLOAD = "recompute", "offload"
@@ -222,8 +224,10 @@ def _search(sim: Simulator, fx: Effects, budget: int, kinds: tuple[str, ...]) ->
         # which fits, and keep what is not needed.
         chosen = _moves_of(fx, full)
     chosen = _undo(sim, fx, chosen, budget)
-    # Polish: try doing without each checkpointed unit, regrowing elsewhere; keep what is cheaper.
-    for ui in sorted({int(fx.move_unit[i]) for i in chosen}):
+    # Polish: try doing without each checkpointed unit (the costliest few), regrowing elsewhere; keep what is cheaper.
+    used = {int(fx.move_unit[i]) for i in chosen}
+    spend = {ui: fx.unit_cost[ui] + sum(fx.move_cost[i] for i in chosen if fx.move_unit[i] == ui) for ui in used}
+    for ui in sorted(used, key=lambda u: (-spend[u], u))[:_POLISH_UNITS]:
         if ui not in {int(fx.move_unit[i]) for i in chosen}:
             continue
         rest = [i for i in chosen if fx.move_unit[i] != ui]
@@ -232,6 +236,25 @@ def _search(sim: Simulator, fx: Effects, budget: int, kinds: tuple[str, ...]) ->
             trial = _undo(sim, fx, trial, budget)
             if _cost(fx, trial) < _cost(fx, chosen):
                 chosen = trial
+    # Exchange: drop one used unit and start from all of an idle one (the fixed cost of checkpointing a unit makes
+    # "fewer units, more moves each" a plan single removals do not reach).
+    live, _ = sim.live(state_for(sim, [fx.moves[c] for c in chosen]))
+    t = int(np.argmax(live))
+    used = {int(fx.move_unit[i]) for i in chosen}
+    idle = [u for u in range(len(sim.units)) if u not in used]
+    potential = {u: -(fx.unit_delta[t, u] + fx.move_delta[t, (fx.move_unit == u) & allowed].sum()) for u in idle}
+    for ui in sorted(used, key=lambda u: (-spend.get(u, 0.0), u))[:_EXCHANGE_UNITS]:
+        for vj in sorted(idle, key=lambda u: (-potential[u], u))[:_EXCHANGE_UNITS]:
+            if ui not in {int(fx.move_unit[i]) for i in chosen}:
+                break
+            rest = [i for i in chosen if fx.move_unit[i] != ui]
+            rest += [int(i) for i in np.flatnonzero((fx.move_unit == vj) & allowed)
+                     if fx.moves[i][2] == kinds[0]]
+            trial = _grow(sim, fx, budget, rest, {ui}, allowed)
+            if trial is not None:
+                trial = _undo(sim, fx, trial, budget)
+                if _cost(fx, trial) < _cost(fx, chosen):
+                    chosen = trial
     return chosen
 
 
