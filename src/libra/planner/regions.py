@@ -67,20 +67,40 @@ def _children(profile: Profile) -> dict[int, list[int]]:
 
 
 def _select_calls(profile: Profile, fwd_ops: int) -> list[int]:
-    """Disjoint module calls to use as regions: the root's children, split while larger than a quarter of the forward
-    (and than 48 ops: a small block split into its layers would leave nothing inside to recompute)."""
+    """Disjoint module calls to use as regions: the root's children, each split into its children while it is a
+    container of blocks.
+
+    NOTE [Region granularity]: a region's replay brings all of its saved activations back at once, so the finest
+    blocks that still hold something to recompute make the lowest peak. A call is split when its children are blocks
+    (at least two children of 8 ops or more covering 80% of its ops, like a Sequential stage of bottlenecks), or
+    when one child wraps nearly all of it; a transformer block (one big attention child, small layers around it,
+    residual adds of its own) stays whole, since splitting it would strand its attention core and residual adds.
+    A call larger than a quarter of the forward is split whenever it has children.
+    """
     calls = profile.module_calls
     kids = _children(profile)
-    limit = max(fwd_ops / 4.0, 48.0)
     chosen: list[int] = []
 
+    def size(i: int) -> int:
+        return calls[i].end_op - calls[i].start_op
+
+    def container(i: int) -> bool:
+        children = kids.get(i, [])
+        if not children:
+            return False
+        total = size(i)
+        if total > max(fwd_ops / 4.0, 48.0):
+            return True
+        if len(children) == 1:
+            return size(children[0]) >= 0.9 * total
+        big = [k for k in children if size(k) >= max(8, total / 8)]
+        return len(big) >= 2 and sum(size(k) for k in children) >= 0.8 * total
+
     def visit(i: int) -> None:
-        c = calls[i]
-        size = c.end_op - c.start_op
-        if kids.get(i) and (size > limit or len(kids[i]) == 1 and size > limit / 2):
+        if container(i):
             for k in kids[i]:
                 visit(k)
-        elif size > 0:
+        elif size(i) > 0:
             chosen.append(i)
 
     for i, c in enumerate(calls):
