@@ -267,7 +267,15 @@ def plan(
     elif not planning.kinds:
         state = None
     elif solver == "milp":
+        # NOTE [MILP incumbent]: the program is linear in the measured effects, the simulator is not (regions
+        # interact), so HiGHS's optimum can simulate a hair slower than the greedy's plan, or the program can miss a
+        # plan the simulator accepts. The greedy's verified plan is the incumbent; the cheaper simulated one wins.
         state = milp.solve(planning.sim, target, planning.effects, time_limit=time_limit)
+        incumbent = greedy.solve(planning.sim, target, planning.effects)
+        if incumbent is not None and (
+            state is None or planning.sim.run(incumbent).added_seconds < planning.sim.run(state).added_seconds
+        ):
+            state = incumbent
     else:
         state = greedy.solve(planning.sim, target, planning.effects)
     if state is None:
