@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["OpInfo", "op_info", "arg_values", "tensors_in", "storage_key", "UNCOUNTED"]
+__all__ = ["OpInfo", "op_info", "arg_values", "tensors_in", "storage_key", "input_signature", "UNCOUNTED"]
 
 # NOTE [Uncounted ops]: checkpoint's own saved-tensor hook detaches every tensor it saves during a replay, so the
 # replay dispatches detach ops the forward never did. detach allocates nothing and is never worth saving: the
@@ -74,3 +74,21 @@ def storage_key(t: torch.Tensor) -> int | None:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def input_signature(args, kwargs) -> list[str]:
+    """What a step's inputs look like, as readable strings: ``["0:torch.int64[4, 128]", "labels:torch.int64[4, 128]"]``.
+
+    Every tensor among the positional arguments (by index) and keyword arguments (by name, sorted), nested in
+    lists, tuples and dicts, with its dtype and shape. Plans are made for one signature (NOTE [Plans per input
+    signature] in runtime/apply.py).
+    """
+    from torch.utils._pytree import tree_flatten_with_path, keystr
+
+    out = []
+    for where, value in [(str(i), a) for i, a in enumerate(args)] + [(k, kwargs[k]) for k in sorted(kwargs)]:
+        leaves, _ = tree_flatten_with_path(value)
+        for path, leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                out.append(f"{where}{keystr(path)}:{leaf.dtype}{list(leaf.shape)}")
+    return out

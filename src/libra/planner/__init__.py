@@ -194,6 +194,7 @@ class Planning:
             peak_op=result.peak_op,
             peak_description=where,
             planner_seconds=seconds,
+            input_signature=list(prof.input_signature),
         )
 
     def contributors(self, state: State, t: int, limit: int = 5) -> list[str]:

@@ -27,7 +27,9 @@ _PLAN_FIELDS = {
     "peak_op": int,
     "peak_description": str,
     "planner_seconds": float,
+    "input_signature": list,
 }
+_OPTIONAL = {"input_signature"}  # added after schema 1 was first written; absent means "not recorded"
 _REGION_FIELDS = {"module": str, "call": int, "ops": list, "save": list, "offload": list, "protect": dict,
                   "input_shapes": list}
 _NON_NEGATIVE = {"budget_bytes", "predicted_peak_bytes", "eager_peak_bytes", "static_bytes", "predicted_step_seconds",
@@ -62,6 +64,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "peak_op": plan.peak_op,
         "peak_description": plan.peak_description,
         "planner_seconds": plan.planner_seconds,
+        "input_signature": list(plan.input_signature),
     }
 
 
@@ -80,12 +83,14 @@ def _check_fields(data, fields: dict, where: str, path) -> None:
     if not isinstance(data, dict):
         raise _fail(path, f"{where} should be a JSON object, found {type(data).__name__}")
     unknown = sorted(set(data) - set(fields))
-    missing = sorted(set(fields) - set(data))
+    missing = sorted(set(fields) - set(data) - _OPTIONAL)
     if unknown:
         raise _fail(path, f"{where} has unknown field(s) {', '.join(unknown)}")
     if missing:
         raise _fail(path, f"{where} lacks field(s) {', '.join(missing)}")
     for name, kind in fields.items():
+        if name not in data:
+            continue
         value = data[name]
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else (
             isinstance(value, kind) and not isinstance(value, bool))
@@ -138,7 +143,11 @@ def plan_from_dict(data: dict, path="<dict>") -> Plan:
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[2], str)):
             raise _fail(path, f"parameters has an invalid entry {entry!r}")
         parameters.append((entry[0], _int_list(entry[1], "parameters shape", path), entry[2]))
-    fields = {k: data[k] for k in _PLAN_FIELDS if k not in ("decisions", "regions", "parameters")}
+    signature = data.get("input_signature", [])
+    if not all(isinstance(x, str) for x in signature):
+        raise _fail(path, f"input_signature should be a list of strings, found {signature!r}")
+    fields = {k: data[k] for k in _PLAN_FIELDS if k not in ("decisions", "regions", "parameters", "input_signature")}
+    fields["input_signature"] = list(signature)
     return Plan(decisions=decisions, regions=regions, parameters=parameters, **fields)
 
 

@@ -54,6 +54,8 @@ class Plan:
         decisions: one entry per saved activation, ``"blocks.3:aten.mm.default#2" -> Decision``.
         regions: what the runtime wraps; empty when everything is kept (then nothing is installed).
         parameters: (name, shape, dtype) of every parameter and buffer of the profiled model.
+        input_signature: dtype and shape of every tensor input of the profiled root call (empty: not recorded);
+            ``libra.apply`` runs steps with other inputs under plans of their own.
     """
 
     budget_bytes: int
@@ -70,6 +72,7 @@ class Plan:
     peak_op: int = -1
     peak_description: str = ""
     planner_seconds: float = 0.0
+    input_signature: list[str] = field(default_factory=list)
     schema_version: int = PLAN_SCHEMA_VERSION
 
     @property

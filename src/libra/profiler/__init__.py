@@ -14,7 +14,7 @@ from libra.profiler.recorder import ModuleProbes, Recorder, dispatch_overhead_se
 from libra.profiler.types import ModuleCall, OpRecord, PackRecord, Profile, StorageRecord
 from libra.units import format_bytes
 
-__all__ = ["profile", "Profile", "OpRecord", "StorageRecord", "PackRecord", "ModuleCall", "model_signature"]
+__all__ = ["profile", "StepRecording", "Profile", "OpRecord", "StorageRecord", "PackRecord", "ModuleCall", "model_signature"]
 
 log = logging.getLogger("libra")
 
@@ -61,48 +61,116 @@ def profile(model: torch.nn.Module, step: Callable[[], object]) -> Profile:
         raise LibraError(f"libra.profile: expected a torch.nn.Module, got {type(model).__name__}.")
     if not callable(step):
         raise LibraError(f"libra.profile: expected a callable step, got {type(step).__name__}.")
-    device = _model_device(model)
-    overhead = dispatch_overhead_seconds()
-    buffer_keys = {storage_key(b) for b in model.buffers()}
-    recorder = Recorder(device, buffer_keys)
-    recorder.register_static(static_tensors(model, device))
-    static_bytes = recorder.live_bytes
-    probes = ModuleProbes(model, recorder)
-    probes.install()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter_ns()
+    recording = StepRecording(model)
+    recording.start()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack), recorder:
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    finally:
-        wall_ns = time.perf_counter_ns() - t0
-        probes.remove()
-        recorder.close()
-    ops = recorder.ops
-    op_seconds = sum(o.seconds for o in ops)
-    eager_seconds = max(wall_ns / 1e9 - recorder.bookkeeping_ns / 1e9 - overhead * len(ops), op_seconds)
-    prof = Profile(
-        device=str(device),
-        eager_peak_bytes=recorder.peak_bytes,
-        static_bytes=static_bytes,
-        eager_step_seconds=eager_seconds,
-        dispatch_overhead_seconds=overhead,
-        ops=ops,
-        storages=recorder.storages,
-        packs=recorder.packs,
-        module_calls=probes.calls,
-        parameters=model_signature(model),
-        torch_version=torch.__version__,
-    )
-    log.info(
-        "profiled one step: %d ops, %d saved tensors, eager peak %s (static %s), %.1f ms",
-        len(ops),
-        len(recorder.packs),
-        format_bytes(prof.eager_peak_bytes),
-        format_bytes(static_bytes),
-        eager_seconds * 1e3,
-    )
-    return prof
+        step()
+        recording.stop()
+    except BaseException:
+        recording.abort()
+        raise
+    return recording.finish()
+
+
+class StepRecording:
+    """One step under recording, started and finished by the caller.
+
+    :func:`profile` wraps a ``step()`` call in one. ``libra.apply`` starts one in the root module's forward pre-hook
+    when a step's inputs have a signature no plan was made for (``root_entered=True``: the root's forward is already
+    being called, so its call is reported by :meth:`enter_root` / :meth:`exit_root`), stops it when backward ends
+    (:meth:`stop` may run on autograd's device thread: it only closes the recorder) and finishes it from the main
+    thread, where the mode and the hooks were entered.
+    """
+
+    def __init__(self, model: torch.nn.Module, root_entered: bool = False) -> None:
+        self.model = model
+        self.root_entered = root_entered
+        self.device = _model_device(model)
+        self.recorder: Recorder | None = None
+        self.probes: ModuleProbes | None = None
+        self._hooks = None
+        self._root_call = None
+        self._t0 = 0
+        self._wall_ns: int | None = None
+
+    def start(self) -> None:
+        self.overhead = dispatch_overhead_seconds()
+        buffer_keys = {storage_key(b) for b in self.model.buffers()}
+        self.recorder = Recorder(self.device, buffer_keys)
+        self.recorder.register_static(static_tensors(self.model, self.device))
+        self.static_bytes = self.recorder.live_bytes
+        self.probes = ModuleProbes(self.model, self.recorder)
+        self.probes.install(root=not self.root_entered)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.recorder.pack, self.recorder.unpack)
+        self._hooks.__enter__()
+        self.recorder.__enter__()
+        self._t0 = time.perf_counter_ns()
+
+    def enter_root(self, args, kwargs) -> None:
+        self._root_call = self.probes.enter("", args, kwargs)
+
+    def exit_root(self) -> None:
+        if self.probes is not None and self.probes.recorder.module_stack[-1:] == [""]:
+            self.probes.exit("", self._root_call)
+
+    @property
+    def stopped(self) -> bool:
+        return self._wall_ns is not None
+
+    def stop(self) -> None:
+        """The step is over: later ops are not recorded. Safe to call from autograd's thread, and twice."""
+        if self._wall_ns is None and self.recorder is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._wall_ns = time.perf_counter_ns() - self._t0
+            self.recorder.close()
+
+    def _exit(self) -> None:
+        if self.recorder is not None and self._hooks is not None:
+            self.recorder.__exit__(None, None, None)
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+        if self.probes is not None:
+            self.probes.remove()
+        if self.recorder is not None and not self.recorder.closed:
+            self.recorder.close()
+
+    def abort(self) -> None:
+        """Removes every hook and discards what was recorded."""
+        self._exit()
+
+    def finish(self) -> Profile:
+        """Removes every hook and returns the profile of the recorded step."""
+        self.stop()
+        self._exit()
+        recorder, probes = self.recorder, self.probes
+        ops = recorder.ops
+        op_seconds = sum(o.seconds for o in ops)
+        eager_seconds = max(
+            self._wall_ns / 1e9 - recorder.bookkeeping_ns / 1e9 - self.overhead * len(ops), op_seconds
+        )
+        prof = Profile(
+            device=str(self.device),
+            eager_peak_bytes=recorder.peak_bytes,
+            static_bytes=self.static_bytes,
+            eager_step_seconds=eager_seconds,
+            dispatch_overhead_seconds=self.overhead,
+            ops=ops,
+            storages=recorder.storages,
+            packs=recorder.packs,
+            module_calls=probes.calls,
+            parameters=model_signature(self.model),
+            input_signature=probes.input_signature,
+            torch_version=torch.__version__,
+        )
+        log.info(
+            "profiled one step: %d ops, %d saved tensors, eager peak %s (static %s), %.1f ms",
+            len(ops),
+            len(recorder.packs),
+            format_bytes(prof.eager_peak_bytes),
+            format_bytes(self.static_bytes),
+            eager_seconds * 1e3,
+        )
+        return prof

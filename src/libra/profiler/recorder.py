@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from libra._forward import ForwardSwaps
-from libra._ops import UNCOUNTED, arg_values, op_info, storage_key, tensors_in
+from libra._ops import UNCOUNTED, arg_values, input_signature, op_info, storage_key, tensors_in
 from libra.profiler.types import ModuleCall, OpRecord, PackRecord, StorageRecord
 
 __all__ = ["Recorder", "ModuleProbes", "static_tensors", "dispatch_overhead_seconds"]
@@ -190,7 +190,7 @@ class _ForwardProbe:
         self.forward = forward
 
     def __call__(self, *args, **kwargs):
-        call = self.probes.enter(self.fqn, args)
+        call = self.probes.enter(self.fqn, args, kwargs)
         try:
             return self.forward(*args, **kwargs)
         finally:
@@ -205,17 +205,21 @@ class ModuleProbes:
         self.recorder = recorder
         self.calls: list[ModuleCall] = []
         self.root_calls = 0
+        self.input_signature: list[str] = []
         self._counts: dict[str, int] = {}
         self._swaps = ForwardSwaps()
 
-    def install(self) -> None:
+    def install(self, root: bool = True) -> None:
+        """Wraps every module's forward; with ``root=False`` all but the root's, whose current call the caller
+        reports through :meth:`enter` and :meth:`exit` itself."""
         for fqn, module in self.model.named_modules():
-            self._swaps.replace(module, lambda forward, fqn=fqn: _ForwardProbe(self, fqn, forward))
+            if fqn or root:
+                self._swaps.replace(module, lambda forward, fqn=fqn: _ForwardProbe(self, fqn, forward))
 
     def remove(self) -> None:
         self._swaps.restore()
 
-    def enter(self, fqn: str, args) -> ModuleCall | None:
+    def enter(self, fqn: str, args, kwargs=None) -> ModuleCall | None:
         rec = self.recorder
         rec.module_stack.append(fqn)
         if not torch.is_grad_enabled() or rec.closed:
@@ -223,6 +227,8 @@ class ModuleProbes:
         if fqn == "":
             self._counts = {}
             self.root_calls += 1
+            if self.root_calls == 1:
+                self.input_signature = input_signature(args, kwargs or {})
         call = self._counts.get(fqn, 0)
         self._counts[fqn] = call + 1
         record = ModuleCall(

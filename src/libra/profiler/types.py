@@ -87,6 +87,7 @@ class Profile:
     packs: list[PackRecord]
     module_calls: list[ModuleCall]
     parameters: list[tuple[str, list[int], str]]  # (name, shape, dtype) of every parameter and buffer
+    input_signature: list[str] = field(default_factory=list)  # the root call's tensor inputs (libra._ops)
     torch_version: str = ""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
