@@ -28,8 +28,13 @@ def test_budget_at_eager_peak_installs_nothing(case):
     plan = libra.plan(case.profile, case.profile.eager_peak_bytes)
     assert plan.regions == []
     assert all(d is libra.Decision.KEEP for d in plan.decisions.values())
-    with libra.apply(case.ours, plan):
+    with libra.apply(case.ours, plan, replan=False):
         assert all("forward" not in m.__dict__ and not m._forward_pre_hooks for m in case.ours.modules())
+    # by default only the root's hooks that check each step's inputs against the plan's (no forward replaced)
+    with libra.apply(case.ours, plan):
+        assert all("forward" not in m.__dict__ for m in case.ours.modules())
+        assert all(not m._forward_pre_hooks for m in case.ours.modules() if m is not case.ours)
+    case.train(plan, steps=1)
 
 
 def test_below_minimum_raises_with_a_minimum_that_then_works(case):

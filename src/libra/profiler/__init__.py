@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -10,6 +11,7 @@ import torch
 
 from libra._ops import storage_key
 from libra.errors import LibraError
+from libra.profiler._stacks import insert_hooks_under, insert_mode_under, remove_hooks, remove_mode
 from libra.profiler.recorder import ModuleProbes, Recorder, dispatch_overhead_seconds, static_tensors
 from libra.profiler.types import ModuleCall, OpRecord, PackRecord, Profile, StorageRecord
 from libra.units import format_bytes
@@ -90,6 +92,9 @@ class StepRecording:
         self.probes: ModuleProbes | None = None
         self._hooks = None
         self._root_call = None
+        self.hooks: list = []  # handles the caller registered for this recording (removed with it)
+        self._mode_entered = False
+        self._thread = threading.get_ident()
         self._t0 = 0
         self._wall_ns: int | None = None
 
@@ -103,9 +108,16 @@ class StepRecording:
         self.probes.install(root=not self.root_entered)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.recorder.pack, self.recorder.unpack)
-        self._hooks.__enter__()
-        self.recorder.__enter__()
+        if self.root_entered:  # NOTE [Recording a live step]
+            insert_hooks_under(self.recorder.pack, self.recorder.unpack)
+            insert_mode_under(self.recorder)
+            self._hooks = True
+        else:
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self.recorder.pack, self.recorder.unpack)
+            self._hooks.__enter__()
+            self.recorder.__enter__()
+        self._mode_entered = True
+        self._thread = threading.get_ident()
         self._t0 = time.perf_counter_ns()
 
     def enter_root(self, args, kwargs) -> None:
@@ -119,6 +131,10 @@ class StepRecording:
     def stopped(self) -> bool:
         return self._wall_ns is not None
 
+    @property
+    def released(self) -> bool:
+        return self._hooks is None and self._mode_entered is False
+
     def stop(self) -> None:
         """The step is over: later ops are not recorded. Safe to call from autograd's thread, and twice."""
         if self._wall_ns is None and self.recorder is not None:
@@ -127,18 +143,41 @@ class StepRecording:
             self._wall_ns = time.perf_counter_ns() - self._t0
             self.recorder.close()
 
-    def _exit(self) -> None:
-        if self.recorder is not None and self._hooks is not None:
-            self.recorder.__exit__(None, None, None)
-            self._hooks.__exit__(None, None, None)
-            self._hooks = None
+    def release(self) -> bool:
+        """Removes the probes, the mode and the hooks; on the thread that started the recording only (else False).
+
+        A recording started by :func:`profile` leaves its stacks as a ``with`` block would; one started inside a
+        live step is taken out from under whatever else is active (NOTE [Recording a live step]).
+        """
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
         if self.probes is not None:
             self.probes.remove()
+        if threading.get_ident() != self._thread:
+            return self.released
+        if self._mode_entered:
+            if self.root_entered:
+                remove_mode(self.recorder)
+            else:
+                self.recorder.__exit__(None, None, None)
+            self._mode_entered = False
+        if self._hooks is not None:
+            if self.root_entered:
+                remove_hooks(self.recorder.pack)
+            else:
+                self._hooks.__exit__(None, None, None)
+            self._hooks = None
+        return self.released
+
+    def _exit(self) -> None:
         if self.recorder is not None and not self.recorder.closed:
             self.recorder.close()
+        if not self.release():
+            log.debug("libra: a finished recording is taken off the stacks from the thread that started it")
 
     def abort(self) -> None:
-        """Removes every hook and discards what was recorded."""
+        """Stops recording and removes what can be removed now (see :meth:`release`); discards what was recorded."""
         self._exit()
 
     def finish(self) -> Profile:

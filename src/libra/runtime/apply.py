@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -9,11 +10,14 @@ from typing import Iterator
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._pytree import tree_leaves
 
 from libra._forward import ForwardSwaps
-from libra.errors import LibraError, PlanMismatchError
+from libra.errors import BudgetInfeasibleError, LibraError, PlanMismatchError
+from libra.planner import plan as make_plan
 from libra.planner.types import Decision, Plan, RegionPlan
-from libra.profiler import model_signature
+from libra._ops import input_signature
+from libra.profiler import StepRecording, model_signature
 from libra.runtime.region import OffloadContext, RegionRun
 from libra.units import format_bytes
 
@@ -84,44 +88,166 @@ class _RegionForward:
         )
 
 
+# NOTE [Plans per input signature]: a plan is made for one input signature: the dtype and shape of every tensor the
+# root module's call gets (Plan.input_signature). A step whose root call gets another signature never runs under
+# it. With ``replan=True`` that step runs plainly while it is profiled (a StepRecording started in the root's
+# forward pre-hook and stopped when its backward ends), it is planned under the same budget, and later steps with
+# that signature run under their own plan. The plans for other signatures hang on the plan object (so a ``with``
+# block per step reuses them): at most ``max_plans`` of them, the least recently used dropped. Once 4 x max_plans
+# signatures have been profiled for one plan (inputs that change shape every step), new ones run plainly.
+# With ``replan=False`` such steps run plainly. Each case is logged once per signature. A plan without a recorded
+# signature (an older plan file) matches every step; the per-region shape guard still holds.
+_PROFILES_PER_PLAN = 4
+
+
+class _Variants:
+    """The plans made for other input signatures than a plan's own, kept on that plan object."""
+
+    def __init__(self) -> None:
+        self.plans: collections.OrderedDict[tuple[str, ...], Plan] = collections.OrderedDict()
+        self.profiled = 0
+
+
+def _variants(plan: Plan) -> _Variants:
+    return plan.__dict__.setdefault("_libra_variants", _Variants())
+
+
 class _Session:
     """The hooks of one ``apply`` block. Installs on enter, removes everything on exit."""
 
-    def __init__(self, model: torch.nn.Module, plan: Plan) -> None:
+    def __init__(self, model: torch.nn.Module, plan: Plan, replan: bool = True, max_plans: int = 4) -> None:
         self.model = model
-        self.plan = plan
-        self.regions: dict[tuple[str, int], RegionPlan] = {(r.module, r.call): r for r in plan.regions}
+        self.base = plan
+        self.replan = replan
+        self.max_plans = max_plans
+        self.variants = _variants(plan)
+        self.recording: StepRecording | None = None
+        self.recording_signature: tuple[str, ...] = ()
+        self.lingering: list[StepRecording] = []  # finished recordings not yet off the mode stacks
+        self.regions: dict[tuple[str, int], RegionPlan] = {}
         self.counts: dict[str, int] = {}
         self._swaps = ForwardSwaps()
+        self._wrapped: set[str] = set()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._noted: set = set()
-        offloads = any(r.offload for r in plan.regions)
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self.offload = OffloadContext(device) if offloads else None
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.offload: OffloadContext | None = None
+        self._activate(plan)
+
+    # ---- which plan runs ------------------------------------------------------------------------------------
+    def _activate(self, plan: Plan | None) -> None:
+        """Runs the next steps under ``plan`` (None: plainly)."""
+        self.active = plan
+        self.regions = {(r.module, r.call): r for r in plan.regions} if plan is not None else {}
+        if plan is not None and self.offload is None and any(r.offload for r in plan.regions):
+            self.offload = OffloadContext(self.device)
+        if plan is not None and self._handles:
+            self._wrap(plan)
 
     def next_region(self, fqn: str) -> RegionPlan | None:
         call = self.counts.get(fqn, 0)
         self.counts[fqn] = call + 1
         return self.regions.get((fqn, call))
 
-    def note_once(self, key, message, *args) -> None:
+    def note_once(self, key, message, *args, level=logging.WARNING) -> None:
         if key not in self._noted:
             self._noted.add(key)
-            log.warning(message, *args)
+            log.log(level, message, *args)
 
-    def _root_pre_hook(self, module, args):
-        if torch.is_grad_enabled():
-            self.counts = {}
-            if self.offload is not None:
-                self.offload.new_step()
+    def _root_pre_hook(self, module, args, kwargs):
+        if not torch.is_grad_enabled():
+            return
+        self.counts = {}
+        if self.offload is not None:
+            self.offload.new_step()
+        if self.recording is not None:
+            self._finish_recording()
+        self.lingering = [r for r in self.lingering if not r.release()]
+        if not self.base.input_signature:
+            return
+        signature = tuple(input_signature(args, kwargs))
+        plan = self.base if signature == tuple(self.base.input_signature) else self.variants.plans.get(signature)
+        if plan is not None:
+            if plan is not self.base:
+                self.variants.plans.move_to_end(signature)
+            if plan is not self.active:
+                self._activate(plan)
+            return
+        self._activate(None)
+        if not self.replan:
+            self.note_once(("signature", signature),
+                           "libra: inputs %s differ from the planned %s; replan=False, so steps with them run "
+                           "without recompute (more memory).", list(signature), self.base.input_signature)
+            return
+        if self.variants.profiled >= _PROFILES_PER_PLAN * self.max_plans:
+            self.note_once("too many signatures",
+                           "libra: the inputs changed shape %d times; new shapes now run without recompute. "
+                           "Fix: pad or bucket inputs to a few shapes.", self.variants.profiled)
+            return
+        log.warning("libra: inputs %s differ from the planned %s; this step runs without recompute while it is "
+                    "profiled, and later steps with these inputs get a plan of their own.",
+                    list(signature), self.base.input_signature)
+        self.variants.profiled += 1
+        self.recording = StepRecording(self.model, root_entered=True)
+        self.recording_signature = signature
+        self.recording.start()
+        self.recording.enter_root(args, kwargs)
 
-    def install(self) -> None:
-        """Marks the model as under a plan and, when the plan checkpoints anything, wraps the planned modules."""
-        setattr(self.model, _ACTIVE_ATTR, self)
-        if not self.plan.regions:
-            return  # with nothing to evict, install nothing
+    def _root_post_hook(self, module, args, output):
+        recording = self.recording
+        if recording is None or recording.stopped:
+            return
+        recording.exit_root()
+        nodes = {t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        if not nodes:
+            return
+        queued = []
+
+        def backward_started(grad_outputs):
+            # runs inside backward: the callback runs when this backward pass is over
+            if not queued:
+                queued.append(True)
+                torch.autograd.Variable._execution_engine.queue_callback(recording.stop)
+
+        for node in nodes:
+            recording.hooks.append(node.register_prehook(backward_started))
+
+    def _finish_recording(self) -> None:
+        recording, signature = self.recording, self.recording_signature
+        self.recording = None
+        if not recording.stopped:
+            recording.abort()
+            if not recording.released:
+                self.lingering.append(recording)
+            self.variants.profiled -= 1
+            log.info("libra: the profiled step with inputs %s ran no backward; it will be profiled again",
+                     list(signature))
+            return
+        prof = recording.finish()
+        if not recording.released:
+            self.lingering.append(recording)
+        budget = self.base.budget_bytes
+        solver = self.base.solver if self.base.solver in ("greedy", "milp") else "greedy"
+        try:
+            plan = make_plan(prof, budget, solver=solver)
+        except BudgetInfeasibleError as e:
+            log.warning("libra: with inputs %s no plan fits the budget %s; using the smallest peak the planner "
+                        "reaches, %s.", list(signature), format_bytes(budget), format_bytes(e.min_budget_bytes))
+            plan = make_plan(prof, e.min_budget_bytes, solver=solver)
+        plans = self.variants.plans
+        plans[signature] = plan
+        while len(plans) > self.max_plans:
+            plans.popitem(last=False)
+        log.info("libra: planned for inputs %s: predicted peak %s, %d recomputed / %d offloaded",
+                 list(signature), format_bytes(plan.predicted_peak_bytes), plan.counts[Decision.RECOMPUTE],
+                 plan.counts[Decision.OFFLOAD])
+
+    # ---- hooks ----------------------------------------------------------------------------------------------
+    def _wrap(self, plan: Plan) -> None:
         modules = dict(self.model.named_modules())
-        for fqn in dict.fromkeys(r.module for r in self.plan.regions):
+        for fqn in dict.fromkeys(r.module for r in plan.regions):
+            if fqn in self._wrapped:
+                continue
             module = modules.get(fqn)
             if module is None:
                 raise PlanMismatchError(
@@ -129,9 +255,29 @@ class _Session:
                     "Fix: profile and plan this model."
                 )
             self._swaps.replace(module, lambda forward, m=module, fqn=fqn: _RegionForward(self, m, fqn, forward))
-        self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
+            self._wrapped.add(fqn)
+
+    def install(self) -> None:
+        """Marks the model as under a plan and, when the plan checkpoints anything or may be replaced by one for
+        other inputs, wraps the planned modules and hooks the root."""
+        setattr(self.model, _ACTIVE_ATTR, self)
+        if not self.base.regions and not (self.replan and self.base.input_signature):
+            return  # with nothing to evict and nothing to re-plan, install nothing
+        self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._root_post_hook))
+        self._wrap(self.base)
 
     def remove(self) -> None:
+        if self.recording is not None:
+            try:
+                self._finish_recording()  # kept when the step ran to the end of its backward, else discarded
+            except LibraError as e:
+                log.warning("libra: planning for inputs %s failed: %s", list(self.recording_signature), e)
+            self.recording = None
+        self.lingering = [r for r in self.lingering if not r.release()]
+        if self.lingering:
+            log.warning("libra: a dispatch mode or saved-tensor hooks entered inside `with libra.apply` are still "
+                        "active; Libra's finished profiling hooks under them pass everything through until they leave.")
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -140,16 +286,23 @@ class _Session:
 
 
 @contextlib.contextmanager
-def apply(model: torch.nn.Module, plan: Plan) -> Iterator[None]:
+def apply(model: torch.nn.Module, plan: Plan, *, replan: bool = True, max_plans: int = 4) -> Iterator[None]:
     """Runs the steps inside the ``with`` block under ``plan``.
 
     The model is the user's own: Libra replaces the ``forward`` of the planned modules by an instance attribute and
-    adds one forward pre-hook to the root; both are removed on exit, also when the block raises. When the plan keeps
-    everything, nothing is installed. ``LIBRA_DISABLE=1`` makes it a no-op.
+    adds a forward pre-hook and a forward hook to the root; all are removed on exit, also when the block raises.
+    When the plan keeps everything, only the root hooks that check each step's inputs are installed (none with
+    ``replan=False``). ``LIBRA_DISABLE=1`` makes it a no-op.
+
+    A step whose inputs differ in dtype or shape from those the plan was made for never runs under it: it runs
+    without recompute while Libra profiles it, and later steps with those inputs run under a plan of their own,
+    made for the same budget (one warning per new input signature).
 
     Args:
         model: the model the plan was made for (same parameter names, shapes and dtypes).
         plan: from :func:`libra.plan` or :meth:`libra.Plan.load`.
+        replan: profile and plan steps with new input signatures (default). With False they run plainly.
+        max_plans: how many plans (one per input signature) are kept; the least recently used is dropped.
 
     Raises:
         PlanMismatchError: the plan was made for another model; the message names the first differing tensor.
@@ -175,9 +328,11 @@ def apply(model: torch.nn.Module, plan: Plan) -> Iterator[None]:
             "libra.apply: a plan is already applied to this model; nest no second libra.apply on the same model. "
             "Fix: leave the first `with libra.apply(...)` block before entering another."
         )
+    if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
+        raise LibraError(f"libra.apply: max_plans should be a positive int, got {max_plans!r}.")
     _check_signature(model, plan)
     counts = plan.counts
-    session = _Session(model, plan)
+    session = _Session(model, plan, replan=bool(replan), max_plans=max_plans)
     try:
         session.install()
         if plan.regions:
