@@ -496,6 +496,24 @@ class FlagBlock(nn.Module):
         return x + torch.sigmoid(h)
 
 
+class DataDependentBlock(nn.Module):
+    """Its op sequence depends on the values it gets: a branch on the input's mean and a loop whose trip count is
+    read from the data (``.item()``), so steps with other batches dispatch other ops than the profiled one."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, d)
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        if h.mean() > 0.2:
+            h = h * torch.sigmoid(h)
+        for _ in range(int(x.abs().mean().item() * 7) % 3):
+            h = torch.tanh(h) + h
+        return x + self.fc2(h)
+
+
 # ---- the user's own checkpoint and save_on_cpu ---------------------------------------------------------------------
 class UserCheckpointBlock(nn.Module):
     def __init__(self, d: int, use_reentrant: bool = False) -> None:

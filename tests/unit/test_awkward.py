@@ -407,6 +407,31 @@ def test_sequence_length_changes_between_steps(caplog):
             assert meter.peak_bytes <= res.plan.budget_bytes
 
 
+def test_data_dependent_branch_and_loop(caplog):
+    # other batches take other branches and trip counts than the profiled one: each call that leaves the profiled
+    # op sequence keeps every output from there on (logged), and the replay of a call sees the same values as its
+    # forward, so it takes the same path
+    batches = [(x * scale, y) for scale, (x, y) in zip((1.0, 4.0, 0.3, 2.5, 6.0), (features(seed=s) for s in range(1, 6)))]
+    paths = set()
+
+    def path_of(batch):
+        torch.manual_seed(0)
+        block = am.Stack(am.DataDependentBlock)
+        h = block.inp(batch[0])
+        b = block.blocks[0]
+        g = F.gelu(b.fc1(h))
+        return (bool(g.mean() > 0.2), int(h.abs().mean().item() * 7) % 3)
+
+    for batch in batches:
+        paths.add(path_of(batch))
+    with caplog.at_level(logging.WARNING, logger="libra"):
+        run_case(stack(am.DataDependentBlock), batches, steps=4, schedule=lambda i: i, check_peak=False)
+    assert len(paths) > 1, "the batches should take different paths through the block"
+    diverged = [r.getMessage() for r in caplog.records if "profile had" in r.getMessage()]
+    assert diverged, "other paths than the profiled one ran and nothing was logged"
+    assert len(diverged) == len(set(diverged)), "each divergence is logged once per plan"
+
+
 # ---- the user's own checkpoint and save_on_cpu --------------------------------------------------------------------
 _RELEASE_NOT_UNPACK = (
     "simulator: takes a saved tensor as released at its last unpack (PackRecord.last_unpack), but autograd releases "

@@ -75,7 +75,7 @@ class _RegionForward:
                 region.input_shapes,
             )
             return self.forward(*args, **kwargs)
-        run = RegionRun(region, self.forward, self.session.offload)
+        run = RegionRun(region, self.forward, self.session.offload, note=self.session.note_once)
         if self.session.offload is not None:
             self.session.offload.register(run)
         return torch_checkpoint.checkpoint(
@@ -106,6 +106,7 @@ class _Variants:
     def __init__(self) -> None:
         self.plans: collections.OrderedDict[tuple[str, ...], Plan] = collections.OrderedDict()
         self.profiled = 0
+        self.noted: set = set()  # what was logged once for this plan (across ``with`` blocks)
 
 
 def _variants(plan: Plan) -> _Variants:
@@ -129,7 +130,6 @@ class _Session:
         self._swaps = ForwardSwaps()
         self._wrapped: set[str] = set()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._noted: set = set()
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.offload: OffloadContext | None = None
         self._activate(plan)
@@ -150,8 +150,8 @@ class _Session:
         return self.regions.get((fqn, call))
 
     def note_once(self, key, message, *args, level=logging.WARNING) -> None:
-        if key not in self._noted:
-            self._noted.add(key)
+        if key not in self.variants.noted:
+            self.variants.noted.add(key)
             log.log(level, message, *args)
 
     def _root_pre_hook(self, module, args, kwargs):

@@ -103,8 +103,9 @@ class OffloadContext:
 class RegionRun:
     """State of one checkpointed call of one module: the cache shared by its forward and its replays."""
 
-    def __init__(self, region: RegionPlan, forward, offload: "OffloadContext | None" = None) -> None:
+    def __init__(self, region: RegionPlan, forward, offload: "OffloadContext | None" = None, note=None) -> None:
         self.region = region
+        self.note = note  # note(key, message, *args): logs once per key (the apply session's), else every time
         self.forward = forward
         self.save = set(region.save)
         self.offload = set(region.offload) if offload is not None else set()
@@ -202,14 +203,14 @@ class RegionRun:
         self.following = False
         self.diverged_at = index
         expected = self.region.ops[index] if index < len(self.region.ops) else "the end of the module"
-        log.warning(
-            "libra: %r ran %s as op %d where the profile had %s; this call keeps every output from here on "
-            "(correct, more memory). Re-profile if the model changed.",
-            self.region.module,
-            name,
-            index,
-            expected,
-        )
+        message = ("libra: %r ran %s as op %d where the profile had %s; this call keeps every output from here on "
+                   "(correct, more memory). Re-profile if the model changed; control flow that depends on the data "
+                   "makes this happen on every step that takes another path.")
+        args = (self.region.module, name, index, expected)
+        if self.note is not None:
+            self.note(("diverged", self.region.module, self.region.call, index, name), message, *args)
+        else:
+            log.warning(message, *args)
 
 
 class _RegionMode(TorchDispatchMode):
