@@ -1,6 +1,7 @@
 """A step that raises, nested apply, and bad arguments: clear errors, no hook left behind."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ class Boom(Exception):
 
 
 def _no_hooks(model):
-    return all("forward" not in m.__dict__ and not m._forward_pre_hooks for m in model.modules())
+    return all("forward" not in m.__dict__ and not m._forward_pre_hooks and not m._forward_hooks
+               for m in model.modules())
 
 
 @pytest.mark.parametrize("exc", [Boom, KeyboardInterrupt])
@@ -97,3 +99,40 @@ def test_kill_switch(setup, monkeypatch):
     monkeypatch.setenv("LIBRA_DISABLE", "1")
     with libra.apply(model, plan):
         assert _no_hooks(model)
+
+
+def test_info_line_per_applied_plan(setup, caplog):
+    base, x, y, loss_fn, _, plan = setup
+    model = copy.deepcopy(base)
+    counts = plan.counts
+    with caplog.at_level(logging.INFO, logger="libra"), libra.apply(model, plan):
+        pass
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("plan applied")]
+    assert lines == [
+        f"plan applied: {counts[libra.Decision.KEEP]} kept / {counts[libra.Decision.RECOMPUTE]} recomputed / "
+        f"{counts[libra.Decision.OFFLOAD]} offloaded, predicted peak {libra.units.format_bytes(plan.predicted_peak_bytes)}"
+        f" of budget {libra.units.format_bytes(plan.budget_bytes)}"
+    ]
+
+
+def test_libra_debug_logs_every_region_op(setup, monkeypatch, caplog):
+    base, x, y, loss_fn, _, plan = setup
+    model, eager = copy.deepcopy(base), copy.deepcopy(base)
+    monkeypatch.setenv("LIBRA_DEBUG", "1")
+    with caplog.at_level(logging.DEBUG, logger="libra"), libra.apply(model, plan):
+        loss_fn(model(x), y).backward()
+    loss_fn(eager(x), y).backward()
+    assert_grads_equal(eager, model)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    n_ops = sum(len(r.ops) for r in plan.regions)
+    forward = [m for m in lines if " forward op " in m]
+    replay = [m for m in lines if " replay op " in m]
+    # every forward op once; a replay stops once it made what backward needs (checkpoint's early stop)
+    assert len(forward) == n_ops and 0 < len(replay) <= n_ops, (len(forward), len(replay), n_ops)
+    assert all(m.endswith(("recomputed later", "saved", "offloaded")) for m in forward)
+    assert all(m.endswith(("recomputed", "from the cache")) for m in replay)
+    assert any(m.endswith("recomputed") for m in replay)
+    libra_logger = logging.getLogger("libra")
+    for h in list(libra_logger.handlers):  # the handler LIBRA_DEBUG added for users without logging set up
+        libra_logger.removeHandler(h)
+    libra_logger.setLevel(logging.NOTSET)

@@ -18,7 +18,7 @@ from libra.planner import plan as make_plan
 from libra.planner.types import Decision, Plan, RegionPlan
 from libra._ops import input_signature
 from libra.profiler import StepRecording, model_signature
-from libra.runtime.region import OffloadContext, RegionRun
+from libra.runtime.region import OffloadContext, RegionRun, debug_enabled
 from libra.units import format_bytes
 
 __all__ = ["apply"]
@@ -292,7 +292,8 @@ def apply(model: torch.nn.Module, plan: Plan, *, replan: bool = True, max_plans:
     The model is the user's own: Libra replaces the ``forward`` of the planned modules by an instance attribute and
     adds a forward pre-hook and a forward hook to the root; all are removed on exit, also when the block raises.
     When the plan keeps everything, only the root hooks that check each step's inputs are installed (none with
-    ``replan=False``). ``LIBRA_DISABLE=1`` makes it a no-op.
+    ``replan=False``). ``LIBRA_DISABLE=1`` makes it a no-op; ``LIBRA_DEBUG=1`` logs every op the planned modules
+    run, in forward and in replay, and whether it was saved, offloaded, recomputed or taken from the cache.
 
     A step whose inputs differ in dtype or shape from those the plan was made for never runs under it: it runs
     without recompute while Libra profiles it, and later steps with those inputs run under a plan of their own,
@@ -319,6 +320,13 @@ def apply(model: torch.nn.Module, plan: Plan, *, replan: bool = True, max_plans:
         raise LibraError(
             f"libra.apply: expected a libra.Plan (from libra.plan or libra.Plan.load), got {type(plan).__name__}."
         )
+    if debug_enabled() and not log.handlers:
+        # NOTE [LIBRA_DEBUG]: asked for by the environment, so shown even where the application configured no
+        # logging: one stderr handler on the "libra" logger, added once.
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.DEBUG)
     if os.environ.get("LIBRA_DISABLE") == "1":
         log.info("libra: LIBRA_DISABLE=1, plan not applied")
         yield

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import weakref
 
@@ -106,6 +107,7 @@ class RegionRun:
     def __init__(self, region: RegionPlan, forward, offload: "OffloadContext | None" = None, note=None) -> None:
         self.region = region
         self.note = note  # note(key, message, *args): logs once per key (the apply session's), else every time
+        self.debug = debug_enabled()
         self.forward = forward
         self.save = set(region.save)
         self.offload = set(region.offload) if offload is not None else set()
@@ -213,6 +215,11 @@ class RegionRun:
             log.warning(message, *args)
 
 
+def debug_enabled() -> bool:
+    """``LIBRA_DEBUG=1``: the region modes log every op they see, at DEBUG level."""
+    return os.environ.get("LIBRA_DEBUG") == "1"
+
+
 class _RegionMode(TorchDispatchMode):
     """One of the pair of modes of a region call; ops Libra does not count pass straight through."""
 
@@ -241,10 +248,14 @@ class _ForwardMode(_RegionMode):
         out = func(*args, **kwargs)
         if r.following and (index >= len(r.region.ops) or r.region.ops[index] != info.name):
             r.diverged(index, info.name)
-        if (index in r.save) if r.following else any(info.fresh_returns):
+        kept = (index in r.save) if r.following else any(info.fresh_returns)
+        if kept:
             r.keep(index, out)
             if info.random:
                 r.rng_after[index] = _generator_state(args, kwargs)
+        if r.debug:
+            log.debug("libra: %s[%d] forward op %d %s: %s", r.region.module, r.region.call, index, info.name,
+                      ("offloaded" if index in r.offload and r.following else "saved") if kept else "recomputed later")
         return out
 
 
@@ -275,6 +286,9 @@ class _ReplayMode(_RegionMode):
             if names:
                 args, kwargs = _private_copies(func, args, kwargs, names)
             out = func(*args, **kwargs)
+        if r.debug:
+            log.debug("libra: %s[%d] replay op %d %s: %s", r.region.module, r.region.call, index, func,
+                      "from the cache" if cached is not None else "recomputed")
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 r.replay_storages.add(storage_key(t))
