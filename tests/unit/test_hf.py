@@ -1,0 +1,159 @@
+"""Hugging Face models under a Libra plan, bit for bit against eager (issue 7).
+
+GPT-2 (``GPT2LMHeadModel``, dropout on as HF sets it: attention, residual and embedding dropout 0.1) and a Llama-style
+model (``LlamaForCausalLM``, grouped-query attention, rotary embeddings, RMSNorm, attention dropout 0.1, a padding
+mask), each built from a tiny config with random weights, both attention implementations, trained with the model's
+own loss (``model(input_ids=..., labels=...).loss.backward()``). A copy is profiled in one training step (which counts:
+the eager copy runs the same step under the same seed), planned at half of eager's activation memory, then both copies
+take three more SGD steps with identical seeds; every loss, gradient, parameter and buffer must be ``torch.equal``
+after each step and the measured peak must stay under the budget.
+
+Skipped when ``transformers`` is not installed (``pip install 'libra-remat[hf]'``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import libra  # noqa: E402
+from libra.planner import Planning  # noqa: E402
+from libra.testing import LiveBytesMeter, assert_grads_equal  # noqa: E402
+
+VOCAB, SEQ, BATCH, STEPS = 1000, 64, 2, 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread, as in test_awkward.py: both copies run with the same one, and it is faster on 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def gpt2(attn: str, use_cache: bool) -> torch.nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=128, n_embd=64, n_layer=4, n_head=4,  # attn/resid/embd_pdrop 0.1 by default
+        bos_token_id=0, eos_token_id=0, use_cache=use_cache, loss_type="ForCausalLM",
+    )
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+
+
+def llama(attn: str, use_cache: bool) -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=172, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, attention_dropout=0.1,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=use_cache, loss_type="ForCausalLM",
+    )
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+
+
+def batch(padded: bool) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+    if not padded:
+        return {"input_ids": ids, "labels": ids}
+    mask = torch.ones_like(ids)
+    mask[1, -SEQ // 4:] = 0  # the second sequence is right-padded
+    ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def fixed_times(prof: libra.Profile) -> libra.Profile:
+    """Every op takes 10 µs (as in test_awkward.py): the plan depends only on what the step allocated and saved."""
+    for op in prof.ops:
+        op.seconds = 1e-5
+    prof.dispatch_overhead_seconds = 1e-5
+    prof.eager_step_seconds = 1e-5 * len(prof.ops)
+    return prof
+
+
+def replayed_ops(plan: libra.Plan, prefix: str) -> set[str]:
+    """Names of the ops that the plan's regions under ``prefix`` replay rather than keep."""
+    return {name for r in plan.regions if r.module.startswith(prefix)
+            for j, name in enumerate(r.ops) if j not in set(r.save)}
+
+
+def train_under_plan(build, inputs: dict, share: float = 0.5) -> libra.Plan:
+    torch.manual_seed(0)
+    eager = build()
+    eager.train()
+    ours = copy.deepcopy(eager)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (eager, ours)]
+
+    def step(model) -> torch.Tensor:
+        loss = model(**inputs).loss
+        loss.backward()
+        return loss.detach()
+
+    def finish() -> None:
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    torch.manual_seed(1234)
+    prof = fixed_times(libra.profile(ours, lambda: step(ours)))
+    torch.manual_seed(1234)
+    step(eager)
+    assert_grads_equal(eager, ours)  # profiling changes nothing
+    finish()
+
+    budget = max(prof.budget_for_share(share), Planning(prof).min_budget_bytes())
+    plan = libra.plan(prof, budget)
+    assert plan.counts[libra.Decision.RECOMPUTE] > 0, plan.counts
+    for i in range(1, STEPS + 1):
+        torch.manual_seed(100 + i)
+        with LiveBytesMeter(extra=list(ours.parameters())) as meter:
+            with libra.apply(ours, plan):
+                loss_o = step(ours)
+        torch.manual_seed(100 + i)
+        loss_e = step(eager)
+        assert torch.equal(loss_e, loss_o), f"step {i}: loss {loss_o.item()} != eager {loss_e.item()}"
+        assert_grads_equal(eager, ours)
+        finish()
+        del loss_o, loss_e  # what is live at the next step's start must be what was live when profiled
+        assert meter.start_bytes == prof.static_bytes, "the test keeps other tensors alive than when profiled"
+        assert meter.peak_bytes <= budget, f"step {i}: measured peak {meter.peak_bytes} > budget {budget}"
+        assert abs(meter.peak_bytes - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes
+    assert_grads_equal(eager, ours)
+    return plan
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_gpt2_with_dropout(attn):
+    plan = train_under_plan(lambda: gpt2(attn, use_cache=False), batch(padded=False))
+    replayed = replayed_ops(plan, "transformer.h.")
+    assert any("softmax" in name for name in replayed), replayed
+    assert any("bernoulli" in name or "dropout" in name for name in replayed), replayed
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_llama_with_padding_mask(attn):
+    plan = train_under_plan(lambda: llama(attn, use_cache=False), batch(padded=True))
+    replayed = replayed_ops(plan, "model.layers.")
+    assert any("softmax" in name for name in replayed) and "aten.silu.default" in replayed, replayed
+
+
+_CACHE_REPLAYED = (
+    "runtime: with use_cache=True (HF's default) the model makes a DynamicCache per forward and passes it to every "
+    "attention module (GPT2Attention cache=/past_key_values=, LlamaAttention past_key_values=), whose forward "
+    "appends this layer's keys and values to it (DynamicLayer.update: lazy init, then torch.cat). Checkpoint's "
+    "replay calls the forward again with the same cache object, now holding the layer's keys: the replay runs "
+    "aten.cat where the forward ran aten.lift_fresh and Libra raises LibraError in backward. Proposed fix: "
+    "/tmp/hf_fix.patch (the planner rejects module calls passed a key/value cache; apply runs such calls plainly)")
+_cache_xfail = pytest.mark.xfail(strict=True, raises=libra.LibraError, reason=_CACHE_REPLAYED)
+# GPT-2 before transformers 4.5x passed its cache as tuples of tensors (no Cache object): nothing to append to twice
+_GPT2_HAS_CACHE_OBJECT = hasattr(transformers.models.gpt2.modeling_gpt2, "DynamicCache")
+
+
+@pytest.mark.parametrize("build", [
+    pytest.param(gpt2, id="gpt2", marks=[_cache_xfail] if _GPT2_HAS_CACHE_OBJECT else []),
+    pytest.param(llama, id="llama", marks=[_cache_xfail]),
+])
+def test_default_use_cache(build):
+    train_under_plan(lambda: build("sdpa", use_cache=True), batch(padded=False))
