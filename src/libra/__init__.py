@@ -1,10 +1,11 @@
 """Libra: train PyTorch models in less memory.
 
 Profile one training step, plan under a byte budget which saved activations to keep and which to recompute, and
-apply the plan to every later step, on stock eager PyTorch.
+apply the plan to every later step, on stock eager PyTorch; ``max_batch`` finds the largest batch that fits.
 """
 
 from libra.errors import BudgetInfeasibleError, LibraError, PlanFormatError, PlanMismatchError
+from libra.fit import BatchFit, max_batch
 from libra.planner import plan
 from libra.planner.types import Decision, Plan
 from libra.profiler import profile
@@ -14,6 +15,7 @@ from libra.runtime import apply
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchFit",
     "BudgetInfeasibleError",
     "Decision",
     "LibraError",
@@ -22,6 +24,7 @@ __all__ = [
     "PlanMismatchError",
     "Profile",
     "apply",
+    "max_batch",
     "plan",
     "profile",
 ]

@@ -1,6 +1,9 @@
-"""The CLI end to end, as a new user would run it: profile -> plan -> show, and one-line errors."""
+"""The CLI end to end, as a new user would run it: profile -> plan -> show, max-batch, and one-line errors."""
 
+import sys
 from pathlib import Path
+
+import pytest
 
 from libra.cli.main import main
 
@@ -9,6 +12,10 @@ from libra.testing import models
 
 def make():
     model, x, y, loss_fn = models.make_mlp(batch=1024, d=64, hidden=256, depth=4)
+    return model, lambda: loss_fn(model(x), y).backward()
+
+def make_batch(batch_size):
+    model, x, y, loss_fn = models.make_mlp(batch=batch_size, d=64, hidden=256, depth=4)
     return model, lambda: loss_fn(model(x), y).backward()
 '''
 
@@ -36,3 +43,63 @@ def test_errors_are_short_and_exit_nonzero(tmp_path, capsys):
     assert main(["plan", str(bad), "--budget", "1GiB"]) == 2
     assert "schema_version" in capsys.readouterr().err
     assert Path(tmp_path).exists()
+
+
+def test_show_plot_draws_the_memory_timeline(tmp_path, capsys):
+    script = tmp_path / "factory.py"
+    script.write_text(FACTORY)
+    prof, plan, png = tmp_path / "profile.json", tmp_path / "plan.json", tmp_path / "timeline.png"
+    assert main(["profile", f"{script}:make", "-o", str(prof)]) == 0
+    assert main(["plan", str(prof), "--budget", "6MiB", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["show", str(plan), "--plot", str(png)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: libra show: --plot") and "--profile" in err and "Fix:" in err and not png.exists()
+    assert main(["show", str(plan), "--profile", str(prof), "--plot", str(png)]) == 0
+    assert "memory timeline of" in capsys.readouterr().out
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(png)
+    assert png.stat().st_size > 20_000 and pixels.shape[0] >= 300 and pixels.shape[1] >= 600
+    assert pixels.std() > 0.05  # not a blank canvas
+    from libra.testing.synthetic import chain_profile
+
+    other = tmp_path / "other.json"
+    chain_profile(4, 4).save(other)
+    assert main(["show", str(plan), "--profile", str(other), "--plot", str(png)]) == 2
+    assert "error: libra.memory_timeline: the plan was made from a profile" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+    import libra
+    from libra.planner.timeline import Timeline
+    from libra.plot import plot_memory_timeline
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    timeline = Timeline((1, 2, 1), (1, 1, 1), (0.0, 1.0, 2.0), 1, 2, 1)
+    with pytest.raises(libra.LibraError, match=r"pip install 'libra-remat\[plot\]'"):
+        plot_memory_timeline(timeline, tmp_path / "t.png")
+
+
+def test_max_batch_prints_the_answer(tmp_path, capsys):
+    script = tmp_path / "factory.py"
+    script.write_text(FACTORY)
+    plan = tmp_path / "plan.json"
+    assert main(["max-batch", f"{script}:make_batch", "--budget", "2MiB", "--start", "16", "-o", str(plan)]) == 0
+    captured = capsys.readouterr()
+    assert "largest batch under 2.00 MiB:" in captured.out and "with Libra" in captured.out
+    assert "eagerly" in captured.out and plan.exists()
+    assert captured.err.count("  batch ") >= 3  # progress: one line per profiled size
+    assert main(["max-batch", f"{script}:make_batch", "--budget", "100KiB", "--start", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "error: libra.max_batch: expected batch 16 to fit" in err and "Fix:" in err
+    assert main(["max-batch", "nocolon", "--budget", "1GiB"]) == 2
+    assert capsys.readouterr().err.startswith("error: libra max-batch: expected SCRIPT_OR_MODULE:FACTORY")
+
+
+def test_every_subcommand_has_help(capsys):
+    for command in ("profile", "plan", "show", "demo", "max-batch"):
+        with pytest.raises(SystemExit) as info:
+            main([command, "--help"])
+        assert info.value.code == 0
+        assert "usage: libra " + command in capsys.readouterr().out

@@ -9,8 +9,8 @@ from libra.cli.main import build_parser
 
 def test_all_snapshot():
     assert sorted(libra.__all__) == [
-        "BudgetInfeasibleError", "Decision", "LibraError", "Plan", "PlanFormatError", "PlanMismatchError", "Profile",
-        "apply", "plan", "profile",
+        "BatchFit", "BudgetInfeasibleError", "Decision", "LibraError", "Plan", "PlanFormatError", "PlanMismatchError",
+        "Profile", "apply", "max_batch", "plan", "profile",
     ]
     assert issubclass(libra.BudgetInfeasibleError, libra.LibraError)
     assert issubclass(libra.LibraError, RuntimeError)
@@ -19,13 +19,14 @@ def test_all_snapshot():
 def test_cli_snapshot():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["demo", "plan", "profile", "show"]
+    assert sorted(sub.choices) == ["demo", "max-batch", "plan", "profile", "show"]
     demo_flags = sorted(o for a in sub.choices["demo"]._actions for o in a.option_strings)
     assert demo_flags == ["--batch", "--help", "--layers", "--share", "--steps", "-h"]
     flags = {name: sorted(o for a in p._actions for o in a.option_strings) for name, p in sub.choices.items()}
     assert flags["profile"] == ["--help", "--output", "--warmup", "-h", "-o"]
     assert flags["plan"] == ["--budget", "--help", "--output", "--solver", "-h", "-o"]
-    assert flags["show"] == ["--help", "-h"]
+    assert flags["show"] == ["--help", "--plot", "--profile", "-h"]
+    assert flags["max-batch"] == ["--budget", "--help", "--max-profiles", "--output", "--start", "--warmup", "-h", "-o"]
 
 
 def test_import_does_not_initialise_cuda():

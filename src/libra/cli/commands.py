@@ -15,18 +15,26 @@ from libra.units import format_bytes
 __all__ = ["add_parsers", "load_factory"]
 
 
-def load_factory(spec: str):
-    """Resolves ``path/to/script.py:make`` or ``package.module:make`` to the callable it names."""
+def load_factory(spec: str, command: str = "libra profile"):
+    """Resolves ``path/to/script.py:make`` or ``package.module:make`` to the callable it names.
+
+    Args:
+        spec: ``SCRIPT_OR_MODULE:FACTORY``.
+        command: the subcommand named in error messages.
+
+    Raises:
+        LibraError: the spec is malformed, the file or module is missing, or it has no such callable.
+    """
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise LibraError(
-            f"libra profile: expected SCRIPT_OR_MODULE:FACTORY such as 'train.py:make' or 'mypkg.models:make', got "
+            f"{command}: expected SCRIPT_OR_MODULE:FACTORY such as 'train.py:make' or 'mypkg.models:make', got "
             f"{spec!r}."
         )
     if target.endswith(".py") or Path(target).exists():
         path = Path(target)
         if not path.exists():
-            raise LibraError(f"libra profile: no such file {target!r}.")
+            raise LibraError(f"{command}: no such file {target!r}. Fix: pass the path of a Python script.")
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.path.insert(0, str(path.parent.resolve()))
@@ -35,10 +43,11 @@ def load_factory(spec: str):
         try:
             module = importlib.import_module(target)
         except ImportError as e:
-            raise LibraError(f"libra profile: cannot import {target!r}: {e}.") from None
+            raise LibraError(f"{command}: cannot import {target!r}: {e}. Fix: check the module name and sys.path.") \
+                from None
     factory = getattr(module, name, None)
     if not callable(factory):
-        raise LibraError(f"libra profile: {target!r} has no callable {name!r}.")
+        raise LibraError(f"{command}: {target!r} has no callable {name!r}. Fix: name a function defined there.")
     return factory
 
 
@@ -70,7 +79,23 @@ def _plan(args) -> int:
 
 
 def _show(args) -> int:
-    print(libra.Plan.load(args.plan).explain())
+    plan = libra.Plan.load(args.plan)
+    if args.plot and not args.profile:
+        raise LibraError(
+            "libra show: --plot draws the memory timeline, which a plan alone does not hold; no --profile was given. "
+            f"Fix: libra show {args.plan} --profile profile.json --plot {args.plot} (the profile it was planned from)."
+        )
+    print(plan.explain())
+    if args.plot:
+        from libra.planner.timeline import memory_timeline
+        from libra.plot import plot_memory_timeline
+
+        timeline = memory_timeline(libra.Profile.load(args.profile), plan)
+        title = (f"{plan.device}: eager peak {format_bytes(plan.eager_peak_bytes)}, plan peak "
+                 f"{format_bytes(plan.predicted_peak_bytes)} (predicted step x"
+                 f"{plan.predicted_step_seconds / max(plan.eager_step_seconds, 1e-12):.2f})")
+        out = plot_memory_timeline(timeline, args.plot, title=title)
+        print(f"{out}: memory timeline of {timeline.n_ops} ops, eager and under the plan")
     return 0
 
 
@@ -88,6 +113,9 @@ def add_parsers(sub) -> None:
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (plan.json)")
     p.set_defaults(run=_plan)
 
-    p = sub.add_parser("show", help="explain a plan")
+    p = sub.add_parser("show", help="explain a plan, and draw its memory timeline")
     p.add_argument("plan", help="a plan.json")
+    p.add_argument("--profile", help="the profile.json the plan was planned from (needed by --plot)")
+    p.add_argument("--plot", metavar="PNG",
+                   help="draw live bytes over the step, eager vs the plan, to this file (needs matplotlib)")
     p.set_defaults(run=_show)

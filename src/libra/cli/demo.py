@@ -12,7 +12,26 @@ import libra
 from libra.testing import LiveBytesMeter, assert_grads_equal, models
 from libra.units import format_bytes
 
-__all__ = ["add_parser", "run_demo"]
+__all__ = ["add_parser", "run_demo", "make"]
+
+
+def make(batch_size: int = 8, layers: int = 6):
+    """The demo's GPT-2-like model and one training step at ``batch_size``: a factory for ``libra profile`` and
+    ``libra max-batch``.
+
+    Args:
+        batch_size: sequences of 128 tokens per step.
+        layers: transformer blocks (d=128, 4 heads, dropout 0.1).
+
+    Returns:
+        ``(model, step)``, step running one forward and backward; the weights and inputs are seeded.
+
+    Example:
+        >>> fit = libra.max_batch(make, "256MiB", start=8)   # or: libra max-batch libra.cli.demo:make --budget 256MiB
+    """
+    torch.manual_seed(0)
+    model, x, y, loss_fn = models.make_gpt(batch=batch_size, layers=layers, d=128, seq=128, dropout=0.1)
+    return model, lambda: loss_fn(model(x), y).backward()
 
 
 def add_parser(sub) -> None:

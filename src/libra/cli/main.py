@@ -12,13 +12,14 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from libra.cli import commands, demo
+    from libra.cli import commands, demo, max_batch
 
     parser = argparse.ArgumentParser(prog="libra", description="Train PyTorch models in less memory.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log Libra's INFO lines to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     commands.add_parsers(sub)
     demo.add_parser(sub)
+    max_batch.add_parser(sub)
     return parser
 
 
