@@ -6,6 +6,7 @@ of a checkpointed region is NOTE [Region model] in ``regions.py``.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,24 @@ def kept_split(cached: frozenset[int]) -> tuple[set[int], set[int]]:
 # and per checkpointed region call (checkpoint's own bookkeeping, measured on CPU with torch 2.13).
 MODE_OVERHEAD_FACTOR = 2.5
 REGION_OVERHEAD_SECONDS = 120e-6
+
+
+class _ExactSum:
+    """A sum of floats kept exactly (as an integer multiple of 2**-1100) and rounded once: the added seconds of a
+    plan do not depend on the order its terms are visited in, so equal plans always predict equal times."""
+
+    __slots__ = ("total",)
+    _SHIFT = 1100
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def add(self, x: float) -> None:
+        num, den = float(x).as_integer_ratio()
+        self.total += num << (self._SHIFT + 1 - den.bit_length())
+
+    def value(self) -> float:
+        return self.total / (1 << self._SHIFT)
 
 
 @dataclass
@@ -85,6 +104,12 @@ class Simulator:
                 for pi in inst.packs:
                     self.pack_owner[pi] = (ui, ii)
         self.per_op = MODE_OVERHEAD_FACTOR * profile.dispatch_overhead_seconds
+        # plain-Python copies for the per-storage loops (numpy scalar indexing is slow)
+        self._nbytes = self.nbytes.tolist()
+        self._alloc = self.alloc.tolist()
+        self._free = self.free.tolist()
+        self._python_end = self.python_end.tolist()
+        self._op_time = self.op_time.tolist()
         # per instance: local op -> positions (into inst.sids) of the storages it allocates
         self._outputs_of: list[list[dict[int, list[int]]]] = []
         for unit in units:
@@ -96,28 +121,34 @@ class Simulator:
                 per_inst.append(by_op)
             self._outputs_of.append(per_inst)
 
-    def _apply(self, state: State) -> tuple[np.ndarray, dict[int, list[list[int]]], float]:
-        """The plan's changes to the eager timeline: a delta array with the replay bursts, changed intervals (key < 0:
-        an extra copy ``[start, end, storage]``), and the added seconds.
+    def _plan(self, state: State):
+        """The plan's changes to the eager timeline, sparsely: changed storage intervals, extra copies, replay
+        bursts, and the terms of the added seconds.
 
         NOTE [Who holds a storage]: in eager a storage lives until its last Python use or until every autograd save
         of it is unpacked, whichever is later. Under a plan, saves made inside a checkpointed region hold nothing;
         instead that region's frame holds its inputs, and Libra's cache the outputs of saved ops, until the
         region's last unpack. The forward copy of a storage lives until the last of its remaining holders.
+
+        Returns ``(intervals, copies, bursts, seconds)``: storage -> its one live interval ``[start, end]`` for every
+        storage the plan touches; extra copies ``[start, end, storage]`` (a cache clone, a replayed escaping storage,
+        a prefetched offload); ``(op, bytes)`` transient replay peaks; and the added seconds. The cost is linear in
+        the size of the units in ``state``, not in the length of the profile.
         """
         n = self.n
-        nb = self.nbytes
-        delta = self.base_delta.copy()
-        intervals: dict[int, list[list[int]]] = {}
+        nb = self._nbytes
+        alloc = self._alloc
         extra_copies: list[list[int]] = []
-        added = 0.0
+        bursts: list[tuple[int, int]] = []
+        base = _ExactSum()
+        exposed = _ExactSum()
+        lane = _ExactSum()
         active = {(ui, ii) for ui in state for ii in range(len(self.units[ui].instances))}
         holders: dict[int, list[int]] = {}  # storage -> ends of its holders that the plan adds
-        touched: set[int] = set()
+        touched: dict[int, None] = {}
         # NOTE [Prefetch]: a region's offloaded outputs are copied back when the region before it in backward order
         # starts its replay, so the copy overlaps that region's backward.
         replays = sorted(inst.t_r for ui in state for inst in self.units[ui].instances if inst.t_r >= 0)
-        exposed = lane = 0.0
 
         for ui, cached in state.items():
             unit = self.units[ui]
@@ -125,59 +156,69 @@ class Simulator:
             saved = unit.forced_save | on_device | offloaded
             for ii, inst in enumerate(unit.instances):
                 last = inst.l_r if inst.l_r >= 0 else n
-                pos = int(np.searchsorted(replays, inst.t_r)) if inst.t_r >= 0 else 0
-                prefetch = replays[pos - 1] if pos > 0 else max(inst.t_r, 0)
+                if inst.t_r >= 0:
+                    pos = bisect.bisect_left(replays, inst.t_r)
+                    prefetch = replays[pos - 1] if pos > 0 else inst.t_r
+                else:
+                    prefetch = 0
+                producer = inst.producer
                 for k, s in enumerate(inst.sids):
-                    touched.add(s)
-                    if inst.producer[k] in offloaded:
-                        seconds = float(nb[s]) / self.host_bandwidth
-                        done = int(np.searchsorted(self.op_time, self.op_time[self.alloc[s]] + seconds))
+                    touched[s] = None
+                    local = producer[k]
+                    if local in offloaded:
+                        seconds = nb[s] / self.host_bandwidth
+                        done = bisect.bisect_left(self._op_time, self._op_time[alloc[s]] + seconds)
                         holders.setdefault(s, []).append(min(done, n))
                         if inst.t_r >= 0:
                             extra_copies.append([prefetch, max(last, inst.bwd_end[k]), s])
-                            window = self.op_time[inst.t_r] - self.op_time[prefetch]
-                            exposed += max(0.0, seconds - window)
-                        lane += 2 * seconds
-                    elif inst.producer[k] in saved:
+                            window = self._op_time[inst.t_r] - self._op_time[prefetch]
+                            exposed.add(max(0.0, seconds - window))
+                        lane.add(2 * seconds)
+                    elif local in saved:
                         if inst.mutated_at[k] >= 0:  # the cache holds a copy-on-write clone, not the storage
                             extra_copies.append([inst.mutated_at[k], last, s])
                         else:
                             holders.setdefault(s, []).append(last)
-                    else:
-                        if inst.packed[k] and inst.t_r >= 0 and inst.bwd_end[k] >= inst.t_r:
-                            extra_copies.append([inst.t_r, inst.bwd_end[k], s])
+                    elif inst.packed[k] and inst.t_r >= 0 and inst.bwd_end[k] >= inst.t_r:
+                        extra_copies.append([inst.t_r, inst.bwd_end[k], s])
                 for s in inst.external_inputs:
-                    touched.add(s)
+                    touched[s] = None
                     holders.setdefault(s, []).append(last)
                 if inst.t_r >= 0:
-                    added += self._replay(ui, ii, saved, delta)
-                added += (inst.end - inst.start) * self.per_op + REGION_OVERHEAD_SECONDS
+                    self._replay(ui, ii, saved, bursts, base)
+                base.add((inst.end - inst.start) * self.per_op + REGION_OVERHEAD_SECONDS)
+        intervals: dict[int, tuple[int, int]] = {}
         for s in touched:
-            ends = [int(self.python_end[s])] + holders.get(s, [])
+            a = self._alloc[s]
+            end = max(self._python_end[s], a)
+            for e in holders.get(s, ()):
+                if e > end:
+                    end = e
             for pi in self.packs_of.get(s, ()):
-                if self.pack_owner.get(pi) not in active:
-                    ends.append(self.pack_end[pi])
-            intervals[s] = [[int(self.alloc[s]), max(ends + [int(self.alloc[s])])]]
-        for i, copy in enumerate(extra_copies):
-            intervals[-1 - i] = [copy]
+                if self.pack_end[pi] > end and self.pack_owner.get(pi) not in active:
+                    end = self.pack_end[pi]
+            intervals[s] = (a, end)
         # copies run on their own lane: exposed where a prefetch is late, and wherever the lane is busier than the step
-        added += max(exposed, lane - self.profile.eager_step_seconds)
-        return delta, intervals, added
+        added = base.value() + max(exposed.value(), lane.value() - self.profile.eager_step_seconds)
+        return intervals, extra_copies, bursts, added
 
-    def _replay(self, ui: int, ii: int, saved: set[int], delta: np.ndarray) -> float:
-        """Adds the transient peak of one region's replay at its t_r to ``delta``; returns the replay's seconds."""
+    def _replay(self, ui: int, ii: int, saved: set[int], bursts: list, seconds: "_ExactSum") -> None:
+        """Appends the transient peak of one region's replay at its t_r to ``bursts``, and its seconds to
+        ``seconds``."""
         unit = self.units[ui]
         inst = unit.instances[ii]
-        nb = self.nbytes
+        nb = self._nbytes
         by_op = self._outputs_of[ui][ii]
         cur = peak = kept = 0
         span = inst.stop - inst.start
         frees: dict[int, int] = {}
+        k_inst = len(unit.instances)
         for local in range(span):
             if local in saved:
                 continue
+            seconds.add(unit.op_seconds[local] / k_inst)
             for k in by_op.get(local, ()):
-                size = int(nb[inst.sids[k]])
+                size = nb[inst.sids[k]]
                 cur += size
                 if inst.packed[k]:
                     kept += size
@@ -188,10 +229,43 @@ class Simulator:
             cur -= frees.pop(local, 0)
         extra = peak - kept
         if extra > 0:
-            delta[inst.t_r] += extra
-            delta[inst.t_r + 1] -= extra
-        seconds = sum(unit.op_seconds[j] for j in range(span) if j not in saved) / len(unit.instances)
-        return seconds + span * self.per_op
+            bursts.append((inst.t_r, extra))
+        seconds.add(span * self.per_op)
+
+    def changes(self, state: State) -> tuple[np.ndarray, np.ndarray, float]:
+        """The plan's changes to eager's live-bytes curve as a sparse difference array, and the added seconds.
+
+        ``live(state)[t] == live({})[t] + sum(val[pos <= t])``: each changed interval adds its bytes at its start and
+        takes them off after its end. Linear in the size of the units in ``state``, not in the profile's length.
+        """
+        intervals, copies, bursts, added = self._plan(state)
+        n = self.n
+        nb = self._nbytes
+        free = self._free
+        pos: list[int] = []
+        val: list[int] = []
+        for s, (_, e) in intervals.items():
+            f = free[s]
+            e = min(e, n)
+            if e != f:  # the start is eager's; only the end moves
+                pos.append(f + 1)
+                val.append(nb[s])
+                pos.append(e + 1)
+                val.append(-nb[s])
+        for a, e, src in copies:
+            pos.append(a)
+            val.append(nb[src])
+            pos.append(min(e, n) + 1)
+            val.append(-nb[src])
+        for t, extra in bursts:
+            pos.append(t)
+            val.append(extra)
+            pos.append(t + 1)
+            val.append(-extra)
+        p = np.array(pos, dtype=np.int64)
+        v = np.array(val, dtype=np.int64)
+        keep = p <= n
+        return p[keep], v[keep], added
 
     def run(self, state: State) -> SimResult:
         """Simulates one step under ``state``."""
@@ -201,32 +275,20 @@ class Simulator:
 
     def live(self, state: State) -> tuple[np.ndarray, float]:
         """Live bytes after each op (index n: after the step), and the added seconds, under ``state``."""
-        n = self.n
-        nb, alloc, free = self.nbytes, self.alloc, self.free
-        delta, intervals, added = self._apply(state)
-        for s, ivs in intervals.items():
-            if s < 0:  # an extra copy of storage src: a cache clone or a replayed escaping storage
-                a, e, src = ivs[0]
-                delta[a] += nb[src]
-                delta[min(e, n) + 1] -= nb[src]
-                continue
-            delta[alloc[s]] -= nb[s]
-            delta[free[s] + 1] += nb[s]
-            for a, e in ivs:
-                e = min(e, n)
-                delta[a] += nb[s]
-                delta[e + 1] -= nb[s]
-        return np.cumsum(delta[: n + 1]), added
+        pos, val, added = self.changes(state)
+        delta = self.base_delta[: self.n + 1].copy()
+        np.add.at(delta, pos, val)
+        return np.cumsum(delta), added
 
     def live_at(self, state: State, t: int) -> list[tuple[int, int]]:
         """(storage id, bytes) of every storage live at op ``t`` under ``state``, largest first."""
-        _, intervals, _ = self._apply(state)
+        intervals, copies, _, _ = self._plan(state)
         out = []
         for s in range(len(self.nbytes)):
-            ivs = intervals.get(s, [[int(self.alloc[s]), int(self.free[s])]])
-            if any(a <= t <= e for a, e in ivs):
+            a, e = intervals.get(s, (int(self.alloc[s]), int(self.free[s])))
+            if a <= t <= e:
                 out.append((s, int(self.nbytes[s])))
-        for key, ivs in intervals.items():
-            if key < 0 and ivs[0][0] <= t <= ivs[0][1]:
-                out.append((ivs[0][2], int(self.nbytes[ivs[0][2]])))
+        for a, e, src in copies:
+            if a <= t <= e:
+                out.append((src, int(self.nbytes[src])))
         return sorted(out, key=lambda x: -x[1])

@@ -1,26 +1,34 @@
-"""Greedy solver: at the simulated peak, recompute what frees the most bytes there per second of replay; repeat.
+"""Greedy solver: at the peak, recompute or offload what frees the most bytes there per second added; repeat.
 
-Each decision's effect on the live-bytes curve is measured once by the simulator, alone (checkpointing a unit with
-everything cached; then recomputing one candidate in it). The greedy adds these effects while the summed curve
-exceeds the budget, always at the current peak moment; when the sum fits, the full simulator checks the plan (it
-sees the interactions between regions the sum ignores) and the greedy goes on from the simulated curve if needed.
-Finally it undoes, most expensive first, every move the fitting plan does not need.
+Each decision's effect on the live-bytes curve is measured once by the simulator, alone, and kept sparsely
+(NOTE [Sparse effects] in ``effects.py``). The greedy adds these effects while their sum exceeds the budget, always
+at the current peak (kept by a :class:`~libra.planner.solvers.effects.PeakTree`); when the sum fits, the full
+simulator checks the plan (it sees the interactions between regions the sum ignores) and the greedy goes on from
+the simulated curve if needed. It then undoes, most expensive first, every move the fitting plan does not need,
+and tries doing without each of its costliest units. :func:`solve` makes the result monotone in the budget
+(NOTE [Monotone in the budget]).
+
+NOTE [Planner cost]: with m moves and n ops, the effects cost O(sum of unit sizes x candidates per unit) to measure;
+one greedy growth O(k log n) for k options taken plus O(m) each time the peak moves to another op (all options are
+ranked again there; on the profiles measured the peak moves a handful of times per solve); an undo pass O(k log n);
+and every solve runs the full simulator O(log k) times, not once per move.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
+
 import numpy as np
 
-from libra.planner.simulate import REGION_OVERHEAD_SECONDS, Simulator, State
+from libra.planner.simulate import SimResult, Simulator, State
+from libra.planner.solvers.effects import OFFLOAD, RECOMPUTE, Effects, PeakTree
 
-__all__ = ["Effects", "full_state", "state_for", "solve", "RECOMPUTE", "OFFLOAD"]
+__all__ = ["Effects", "full_state", "state_for", "solve", "solve_at", "RECOMPUTE", "OFFLOAD"]
 
-_UNDO_TRIES = 256
 _POLISH_UNITS = 12
 _EXCHANGE_UNITS = 4
-
-
-RECOMPUTE, OFFLOAD = "recompute", "offload"
+_VERIFY_ROUNDS = 32
 
 
 def state_for(sim: Simulator, moves) -> State:
@@ -36,67 +44,23 @@ def state_for(sim: Simulator, moves) -> State:
     return state
 
 
+def _evict_all(sim: Simulator, kind: str) -> State:
+    return state_for(sim, [(ui, j, kind) for ui, unit in enumerate(sim.units) for j in unit.candidates
+                           if kind == RECOMPUTE or j in unit.offloadable])
+
+
 def full_state(sim: Simulator, kinds=(RECOMPUTE,)) -> State:
     """Every candidate of every unit evicted by one mechanism: the lowest peak that mechanism reaches.
 
     With several kinds allowed, the one whose full state has the lower simulated peak.
     """
-    states = [
-        state_for(sim, [(ui, j, kind) for ui, unit in enumerate(sim.units) for j in unit.candidates
-                        if kind == RECOMPUTE or j in unit.offloadable])
-        for kind in kinds
-    ]
-    return min(states, key=lambda st: (sim.run(st).peak_bytes, sim.run(st).added_seconds))
-
-
-class Effects:
-    """Per-decision effects on the live curve and their costs in seconds, measured one decision at a time.
-
-    Moves are ``(unit, local op, kind)``: recompute the op's outputs, or offload them to host memory.
-    """
-
-    def __init__(self, sim: Simulator, kinds=(RECOMPUTE,)) -> None:
-        self.kinds = tuple(kinds)
-        self.eager, _ = sim.live({})
-        per_op = sim.per_op
-        self.moves: list[tuple[int, int, str]] = []
-        self.cand_of: list[tuple[int, int]] = []  # candidate index -> (unit, local op)
-        unit_cols, move_cols, unit_cost, move_cost, move_unit, move_cand = [], [], [], [], [], []
-        for ui, unit in enumerate(sim.units):
-            k = len(unit.instances)
-            cand = set(unit.candidates)
-            on, on_added = sim.live({ui: frozenset(cand)})
-            unit_cols.append(on - self.eager)
-            always = sum(unit.op_seconds[j] / k for j in range(len(unit.op_names))
-                         if j not in cand and j not in unit.forced_save)
-            unit_cost.append(always + len(unit.op_names) * 2 * per_op + REGION_OVERHEAD_SECONDS)
-            for j in unit.candidates:
-                n_cand = len(self.cand_of)
-                self.cand_of.append((ui, j))
-                for kind in self.kinds:
-                    if kind == OFFLOAD and j not in unit.offloadable:
-                        continue
-                    if kind == RECOMPUTE:
-                        one, _ = sim.live({ui: frozenset(cand - {j})})
-                        cost = unit.op_seconds[j] / k + 2 * per_op
-                    else:
-                        one, added = sim.live({ui: frozenset((cand - {j}) | {~j})})
-                        cost = max(added - on_added, 1e-7)
-                    move_cols.append(one - on)
-                    move_cost.append(cost)
-                    move_unit.append(ui)
-                    move_cand.append(n_cand)
-                    self.moves.append((ui, j, kind))
-        n_t = len(self.eager)
-        self.unit_delta = np.stack(unit_cols, axis=1) if unit_cols else np.zeros((n_t, 0), dtype=np.int64)
-        self.move_delta = np.stack(move_cols, axis=1) if move_cols else np.zeros((n_t, 0), dtype=np.int64)
-        self.unit_cost = np.array(unit_cost, dtype=np.float64)
-        self.move_cost = np.array(move_cost, dtype=np.float64)
-        self.move_unit = np.array(move_unit, dtype=np.int64)
-        self.move_cand = np.array(move_cand, dtype=np.int64)  # moves of one candidate exclude each other
-
-    def take(self, taken: np.ndarray, i: int) -> None:
-        taken[self.move_cand == self.move_cand[i]] = True
+    best, key = {}, None
+    for kind in kinds:
+        state = _evict_all(sim, kind)
+        r = sim.run(state)
+        if key is None or (r.peak_bytes, r.added_seconds) < key:
+            best, key = state, (r.peak_bytes, r.added_seconds)
+    return best
 
 
 def _moves_of(fx: Effects, state: State) -> list[int]:
@@ -111,155 +75,293 @@ def _moves_of(fx: Effects, state: State) -> list[int]:
     return out
 
 
-def _best_option(fx: Effects, t: int, on: np.ndarray, taken: np.ndarray) -> list[int]:
-    """Moves to take next, judged by bytes freed at op ``t`` per second added.
+class _Ranking:
+    """The options at op ``t``, best first: a move in a checkpointed unit, or an idle unit offered as a bundle.
 
-    In a checkpointed unit one candidate is an option; an idle unit is offered as a bundle, its best-ratio prefix of
-    candidates together with the cost of checkpointing it at all (a fixed charge that single moves would each seem
-    to pay alone, which steers a plain ratio greedy to many half-used units).
+    In a checkpointed unit one candidate is an option, judged by bytes freed at ``t`` per second added; an idle
+    unit is offered as a bundle, its best-ratio prefix of candidates together with the cost of checkpointing it at
+    all (a fixed charge that single moves would each seem to pay alone, which steers a plain ratio greedy to many
+    half-used units). An option's score at ``t`` depends on nothing else, so the ranking stays valid while the peak
+    stays at ``t``; options made stale by later choices are dropped when they come up.
     """
-    reduction = -fx.move_delta[t]
-    best: list[int] = []
-    best_score = 0.0
-    for ui in range(len(on)):
-        idx = np.flatnonzero((fx.move_unit == ui) & ~taken)
-        if idx.size == 0:
-            continue
-        red, cost = reduction[idx], fx.move_cost[idx]
-        if on[ui]:
-            scores = np.where(red > 0, red / np.maximum(cost, 1e-9), -np.inf)
-            k = int(np.argmax(scores))
-            if scores[k] > best_score:
-                best, best_score = [int(idx[k])], float(scores[k])
-            continue
-        good = red > 0
-        if not good.any():
-            continue
-        idx, red, cost = idx[good], red[good], cost[good]
-        order = np.argsort(-(red / np.maximum(cost, 1e-9)), kind="stable")
-        _, first = np.unique(fx.move_cand[idx[order]], return_index=True)  # one mechanism per candidate
-        order = order[np.sort(first)]
-        total_red = -fx.unit_delta[t, ui] + np.cumsum(red[order])
-        total_cost = fx.unit_cost[ui] + np.cumsum(cost[order])
-        ratio = np.where(total_red > 0, total_red / np.maximum(total_cost, 1e-9), -np.inf)
-        k = int(np.argmax(ratio))
-        if ratio[k] > best_score:
-            best, best_score = [int(i) for i in idx[order[: k + 1]]], float(ratio[k])
-    return best
 
+    def __init__(self, fx: Effects, t: int, on: np.ndarray, taken: np.ndarray) -> None:
+        self.fx = fx
+        self.t = t
+        mv, uv = fx.values_at(t)
+        red = -mv
+        self.red = red
+        cost = np.maximum(fx.move_cost, 1e-9)
+        self.score = np.where(red > 0, red / cost, -np.inf)
+        free = ~taken & (red > 0)
+        unit_of = fx.move_unit
+        heap: list = []
+        singles = np.flatnonzero(free & on[unit_of])
+        for m, s, u in zip(singles.tolist(), self.score[singles].tolist(), unit_of[singles].tolist()):
+            heap.append((-s, u, m, (m,)))
+        idle = np.flatnonzero(free & ~on[unit_of])
+        if idle.size:
+            ratio = self.score[idle]
+            u = unit_of[idle]
+            order = np.lexsort((idle, -ratio, u))  # by unit, best ratio first, then move index
+            idle, u = idle[order], u[order]
+            cand = fx.move_cand[idle]
+            _, first = np.unique(cand, return_index=True)  # one mechanism per candidate: its best
+            keep = np.sort(first)
+            idle, u = idle[keep], u[keep]
+            starts = np.flatnonzero(np.r_[True, u[1:] != u[:-1]])
+            cum_red = np.cumsum(red[idle])
+            cum_cost = np.cumsum(fx.move_cost[idle])
+            base_red = np.r_[0, cum_red[:-1]][starts]
+            base_cost = np.r_[0.0, cum_cost[:-1]][starts]
+            group = np.repeat(np.arange(starts.size), np.diff(np.r_[starts, idle.size]))
+            total_red = -uv[u] + cum_red - base_red[group]
+            total_cost = fx.unit_cost[u] + cum_cost - base_cost[group]
+            bundle = np.where(total_red > 0, total_red / np.maximum(total_cost, 1e-9), -np.inf)
+            best = np.maximum.reduceat(bundle, starts)
+            at_best = np.flatnonzero(bundle == best[group])
+            _, first_best = np.unique(group[at_best], return_index=True)
+            ends = at_best[first_best]
+            for g, (a, e) in enumerate(zip(starts.tolist(), ends.tolist())):
+                if best[g] > 0:
+                    heap.append((-float(best[g]), int(u[a]), -1, tuple(idle[a:e + 1].tolist())))
+        heapq.heapify(heap)
+        self.heap = heap
 
-def _undo(sim: Simulator, fx: Effects, chosen: list[int], budget: int) -> list[int]:
-    """Undoes, most expensive first, every move the plan does not need to fit.
-
-    Each undo is screened on the summed effects (a vector operation) and only then checked by the simulator.
-    """
-    live, _ = sim.live(state_for(sim, [fx.moves[c] for c in chosen]))
-    live = live.astype(np.int64)
-    for i in sorted(chosen, key=lambda i: -fx.move_cost[i])[:_UNDO_TRIES]:
-        trial = [c for c in chosen if c != i]
-        ui = fx.move_unit[i]
-        estimate = live - fx.move_delta[:, i]
-        if not any(fx.move_unit[c] == ui for c in trial):
-            estimate = estimate - fx.unit_delta[:, ui]
-        if estimate.max() > budget:
-            continue
-        actual, _ = sim.live(state_for(sim, [fx.moves[c] for c in trial]))
-        if actual.max() <= budget:
-            chosen, live = trial, actual.astype(np.int64)
-    return chosen
-
-
-def _grow(sim: Simulator, fx: Effects, budget: int, chosen: list[int], banned: set[int],
-          allowed: np.ndarray) -> list[int] | None:
-    """Adds ``allowed`` moves to ``chosen`` (never in units of ``banned``) until the simulated peak fits; None if
-    stuck."""
-    on = np.zeros(len(sim.units), dtype=bool)
-    taken = ~allowed
-    for ui in banned:
-        taken[fx.move_unit == ui] = True
-    if chosen:
-        live, _ = sim.live(state_for(sim, [fx.moves[i] for i in chosen]))
-        live = live.astype(np.int64)
-        for i in chosen:
-            fx.take(taken, i)
-            on[fx.move_unit[i]] = True
-    else:
-        live = fx.eager.astype(np.int64).copy()
-    chosen = list(chosen)
-    while True:
-        t = int(np.argmax(live))
-        if live[t] <= budget:
-            actual, _ = sim.live(state_for(sim, [fx.moves[i] for i in chosen]))
-            if actual.max() <= budget:
-                return chosen
-            live = actual.astype(np.int64)
-            continue
-        option = _best_option(fx, t, on, taken)
-        if not option:
-            return None
-        for i in option:
-            ui = int(fx.move_unit[i])
-            live += fx.move_delta[:, i]
-            if not on[ui]:
-                live += fx.unit_delta[:, ui]
-                on[ui] = True
-            fx.take(taken, i)
-            chosen.append(i)
-
-
-def _cost(fx: Effects, chosen: list[int]) -> float:
-    units = {int(fx.move_unit[i]) for i in chosen}
-    return float(fx.move_cost[chosen].sum() + fx.unit_cost[list(units)].sum()) if chosen else 0.0
-
-
-def _search(sim: Simulator, fx: Effects, budget: int, kinds: tuple[str, ...]) -> list[int] | None:
-    """Greedy growth, undo and polish with moves of ``kinds`` only; None when even evicting everything fails."""
-    allowed = np.array([kind in kinds for _, _, kind in fx.moves], dtype=bool)
-    full = full_state(sim, kinds)
-    if sim.run(full).peak_bytes > budget:
+    def pop(self, on: np.ndarray, taken: np.ndarray) -> tuple[int, ...] | None:
+        """The best option still open, or None."""
+        heap = self.heap
+        while heap:
+            _, u, m, moves = heapq.heappop(heap)
+            if m >= 0:
+                if not taken[m]:
+                    return moves
+            elif not on[u]:
+                return moves
         return None
-    chosen = _grow(sim, fx, budget, [], set(), allowed)
-    if chosen is None:
-        # Nothing frees bytes at some peak (a replay's own transient, say): start from evicting everything,
-        # which fits, and keep what is not needed.
-        chosen = _moves_of(fx, full)
-    chosen = _undo(sim, fx, chosen, budget)
-    # Polish: try doing without each checkpointed unit (the costliest few), regrowing elsewhere; keep what is cheaper.
-    used = {int(fx.move_unit[i]) for i in chosen}
-    spend = {ui: fx.unit_cost[ui] + sum(fx.move_cost[i] for i in chosen if fx.move_unit[i] == ui) for ui in used}
-    for ui in sorted(used, key=lambda u: (-spend[u], u))[:_POLISH_UNITS]:
-        if ui not in {int(fx.move_unit[i]) for i in chosen}:
-            continue
-        rest = [i for i in chosen if fx.move_unit[i] != ui]
-        trial = _grow(sim, fx, budget, rest, {ui}, allowed)
-        if trial is not None:
-            trial = _undo(sim, fx, trial, budget)
-            if _cost(fx, trial) < _cost(fx, chosen):
-                chosen = trial
-    # Exchange: drop one used unit and start from all of an idle one (the fixed cost of checkpointing a unit makes
-    # "fewer units, more moves each" a plan single removals do not reach).
-    live, _ = sim.live(state_for(sim, [fx.moves[c] for c in chosen]))
-    t = int(np.argmax(live))
-    used = {int(fx.move_unit[i]) for i in chosen}
-    idle = [u for u in range(len(sim.units)) if u not in used]
-    potential = {u: -(fx.unit_delta[t, u] + fx.move_delta[t, (fx.move_unit == u) & allowed].sum()) for u in idle}
-    for ui in sorted(used, key=lambda u: (-spend.get(u, 0.0), u))[:_EXCHANGE_UNITS]:
-        for vj in sorted(idle, key=lambda u: (-potential[u], u))[:_EXCHANGE_UNITS]:
-            if ui not in {int(fx.move_unit[i]) for i in chosen}:
-                break
-            rest = [i for i in chosen if fx.move_unit[i] != ui]
-            rest += [int(i) for i in np.flatnonzero((fx.move_unit == vj) & allowed)
-                     if fx.moves[i][2] == kinds[0]]
-            trial = _grow(sim, fx, budget, rest, {ui}, allowed)
-            if trial is not None:
-                trial = _undo(sim, fx, trial, budget)
-                if _cost(fx, trial) < _cost(fx, chosen):
-                    chosen = trial
-    return chosen
+
+    def unit_on(self, u: int, taken: np.ndarray) -> None:
+        """Unit ``u`` was just checkpointed: its other candidates become options of their own."""
+        for m in self.fx.moves_of_unit(u).tolist():
+            if not taken[m] and self.red[m] > 0:
+                heapq.heappush(self.heap, (-float(self.score[m]), u, m, (m,)))
 
 
-def solve(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RECOMPUTE,)) -> State | None:
-    """The greedy state for ``budget``, or None when even evicting every candidate does not fit.
+class _Search:
+    """One greedy solve for one budget, with moves of the allowed kinds only."""
+
+    def __init__(self, sim: Simulator, fx: Effects, budget: int, allowed: np.ndarray) -> None:
+        self.sim = sim
+        self.fx = fx
+        self.budget = budget
+        self.allowed = allowed
+        self.sim_runs = 0
+
+    # ---- helpers ------------------------------------------------------------------------------------------------
+    def simulate(self, chosen) -> np.ndarray:
+        self.sim_runs += 1
+        live, _ = self.sim.live(state_for(self.sim, [self.fx.moves[m] for m in chosen]))
+        return live
+
+    def _flags(self, chosen, banned=()) -> tuple[np.ndarray, np.ndarray]:
+        fx = self.fx
+        on = np.zeros(fx.n_units, dtype=bool)
+        taken = ~self.allowed
+        for u in banned:
+            taken[fx.moves_of_unit(u)] = True
+        for m in chosen:
+            fx.take(taken, m)
+            on[fx.move_unit[m]] = True
+        return on, taken
+
+    def _apply(self, tree: PeakTree, moves, on: np.ndarray, taken: np.ndarray, chosen: list,
+               ranking: _Ranking | None = None) -> None:
+        fx = self.fx
+        new_units = []
+        for m in moves:
+            u = int(fx.move_unit[m])
+            tree.add_points(*fx.move_points(m))
+            if not on[u]:
+                tree.add_points(*fx.unit_points(u))
+                on[u] = True
+                new_units.append(u)
+            fx.take(taken, m)
+            chosen.append(m)
+        if ranking is not None:
+            for u in new_units:
+                ranking.unit_on(u, taken)
+
+    # ---- growth -------------------------------------------------------------------------------------------------
+    def grow(self, tree: PeakTree, chosen: list, on: np.ndarray, taken: np.ndarray) -> bool:
+        """Adds options at the estimated peak until the estimate fits; False when nothing frees bytes there."""
+        ranking = None
+        while True:
+            value, t = tree.peak()
+            if value <= self.budget:
+                return True
+            if ranking is None or ranking.t != t:
+                ranking = _Ranking(self.fx, t, on, taken)
+            option = ranking.pop(on, taken)
+            if option is None:
+                return False
+            self._apply(tree, option, on, taken, chosen, ranking)
+
+    def grow_verified(self, chosen: list, on: np.ndarray, taken: np.ndarray,
+                      tree: PeakTree) -> tuple[list, np.ndarray] | None:
+        """Grows until the simulator, not just the estimate, fits; (moves, simulated curve), or None if stuck."""
+        for _ in range(_VERIFY_ROUNDS):
+            if not self.grow(tree, chosen, on, taken):
+                return None
+            live = self.simulate(chosen)
+            if live.max() <= self.budget:
+                return chosen, live
+            tree = PeakTree(live)
+        return None
+
+    # ---- undo ---------------------------------------------------------------------------------------------------
+    def _undo_estimate(self, tree: PeakTree, chosen: list) -> list[int]:
+        """Moves of ``chosen`` to drop, most expensive first, each if the estimate still fits; ``tree`` keeps them
+        dropped."""
+        fx = self.fx
+        count: dict[int, int] = {}
+        for m in chosen:
+            u = int(fx.move_unit[m])
+            count[u] = count.get(u, 0) + 1
+        removed = []
+        budget = self.budget
+        for m in sorted(chosen, key=lambda m: (-fx.move_cost[m], m)):
+            u = int(fx.move_unit[m])
+            last = count[u] == 1
+            # the curve fits now, so dropping m fits unless it rises over the budget where it takes bytes back
+            if all(tree.range_max(a, b) + up <= budget for a, b, up in fx.removal_rises(m, last)):
+                tree.add_points(*fx.move_points(m), sign=-1)
+                if last:
+                    tree.add_points(*fx.unit_points(u), sign=-1)
+                removed.append(m)
+                count[u] -= 1
+        return removed
+
+    def undo(self, chosen: list, live: np.ndarray) -> tuple[list, np.ndarray]:
+        """Undoes every move the plan does not need to fit, screened on the estimate; the simulator checks the
+        result, and if it disagrees, the longest prefix of the undos it accepts (a bisection: O(log k) runs)."""
+        removed = self._undo_estimate(PeakTree(live), chosen)
+        if not removed:
+            return chosen, live
+
+        def without(k: int):
+            gone = set(removed[:k])
+            rest = [m for m in chosen if m not in gone]
+            curve = self.simulate(rest)
+            return (rest, curve) if curve.max() <= self.budget else None
+
+        found = without(len(removed))
+        if found is not None:
+            return found
+        lo, hi, best = 0, len(removed), (chosen, live)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            got = without(mid)
+            if got is not None:
+                lo, best = mid, got
+            else:
+                hi = mid
+        return best
+
+    # ---- trials -------------------------------------------------------------------------------------------------
+    def trial(self, chosen: list, live_tree: PeakTree, drop_unit: int, add: list[int]) -> list | None:
+        """``chosen`` without unit ``drop_unit``, plus ``add``, grown back to fit and undone, on the estimate only
+        (``live_tree`` is the simulated curve of ``chosen``; it is restored)."""
+        fx = self.fx
+        mark = live_tree.mark()
+        rest = []
+        for m in chosen:
+            if fx.move_unit[m] == drop_unit:
+                live_tree.add_points(*fx.move_points(m), sign=-1)
+            else:
+                rest.append(m)
+        if len(rest) < len(chosen):
+            live_tree.add_points(*fx.unit_points(drop_unit), sign=-1)
+        on, taken = self._flags(rest, banned=(drop_unit,))
+        self._apply(live_tree, [m for m in add if not taken[m]], on, taken, rest)
+        result = None
+        if self.grow(live_tree, rest, on, taken):
+            removed = set(self._undo_estimate(live_tree, rest))
+            result = [m for m in rest if m not in removed]
+        live_tree.rollback(mark)
+        return result
+
+    def settle(self, trial: list) -> tuple[list, np.ndarray] | None:
+        """A trial checked by the simulator: as it is if it fits, else grown from its simulated curve and undone."""
+        live = self.simulate(trial)
+        if live.max() <= self.budget:
+            return trial, live
+        on, taken = self._flags(trial)
+        grown = self.grow_verified(list(trial), on, taken, PeakTree(live))
+        return None if grown is None else self.undo(*grown)
+
+    def run(self, kinds: tuple[str, ...], full: State) -> list[int] | None:
+        """Greedy growth, undo, polish and exchange; None when even evicting everything fails."""
+        fx, sim = self.fx, self.sim
+        on, taken = self._flags([])
+        grown = self.grow_verified([], on, taken, PeakTree(fx.eager))
+        if grown is None:
+            # Nothing frees bytes at some peak (a replay's own transient, say): start from evicting everything,
+            # which fits, and keep what is not needed.
+            chosen = _moves_of(fx, full)
+            grown = chosen, self.simulate(chosen)
+        chosen, live = self.undo(*grown)
+        cost = fx.cost(chosen)
+
+        def consider(trial: list | None) -> None:
+            nonlocal chosen, live, cost, tree
+            if trial is None or fx.cost(trial) >= cost:
+                return
+            settled = self.settle(trial)
+            if settled is not None and fx.cost(settled[0]) < cost:
+                chosen, live = settled
+                cost = fx.cost(chosen)
+                tree = PeakTree(live)
+
+        # Polish: try doing without each checkpointed unit (the costliest few), regrowing elsewhere.
+        tree = PeakTree(live)
+        spend: dict[int, float] = {}
+        for m in chosen:
+            u = int(fx.move_unit[m])
+            spend[u] = spend.get(u, float(fx.unit_cost[u])) + float(fx.move_cost[m])
+        for ui in sorted(spend, key=lambda u: (-spend[u], u))[:_POLISH_UNITS]:
+            if any(fx.move_unit[m] == ui for m in chosen):
+                consider(self.trial(chosen, tree, ui, []))
+        # Exchange: drop one used unit and start from all of an idle one (the fixed cost of checkpointing a unit
+        # makes "fewer units, more moves each" a plan single removals do not reach).
+        t = int(np.argmax(live))
+        mv, uv = fx.values_at(t)
+        used = {int(fx.move_unit[m]) for m in chosen}
+        idle = [u for u in range(fx.n_units) if u not in used]
+        potential = {}
+        for u in idle:
+            ms = fx.moves_of_unit(u)
+            potential[u] = -(int(uv[u]) + int(mv[ms[self.allowed[ms]]].sum()))
+        idle = sorted(idle, key=lambda u: (-potential[u], u))[:_EXCHANGE_UNITS]
+        for ui in sorted(used, key=lambda u: (-spend.get(u, 0.0), u))[:_EXCHANGE_UNITS]:
+            for vj in idle:
+                if not any(fx.move_unit[m] == ui for m in chosen):
+                    break
+                add = [int(m) for m in fx.moves_of_unit(vj) if self.allowed[m] and fx.moves[m][2] == kinds[0]]
+                consider(self.trial(chosen, tree, ui, add))
+        return chosen
+
+
+def _full(sim: Simulator, fx: Effects, kinds: tuple[str, ...]) -> tuple[State, SimResult]:
+    cache = fx.__dict__.setdefault("_full_cache", {})
+    if kinds not in cache:
+        state = full_state(sim, kinds)
+        cache[kinds] = (state, sim.run(state))
+    return cache[kinds]
+
+
+def solve_at(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RECOMPUTE,)) -> State | None:
+    """The greedy state for exactly ``budget`` (not monotone in it; see :func:`solve`), or None when even evicting
+    every candidate does not fit.
 
     With both mechanisms allowed, the search also runs with each alone and the cheapest simulated plan wins: a
     greedy that mixes them from the first move can miss a plan that uses one throughout.
@@ -271,7 +373,11 @@ def solve(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RE
     best: State | None = None
     best_seconds = float("inf")
     for variant in variants:
-        chosen = _search(sim, fx, budget, variant)
+        state, result = _full(sim, fx, variant)
+        if result.peak_bytes > budget:
+            continue
+        allowed = np.array([kind in variant for _, _, kind in fx.moves], dtype=bool)
+        chosen = _Search(sim, fx, budget, allowed).run(variant, state)
         if chosen is None:
             continue
         state = state_for(sim, [fx.moves[c] for c in chosen])
@@ -279,3 +385,8 @@ def solve(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RE
         if seconds < best_seconds:
             best, best_seconds = state, seconds
     return best
+
+
+def solve(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RECOMPUTE,)) -> State | None:
+    """The greedy state for ``budget``, or None when even evicting every candidate does not fit."""
+    return solve_at(sim, budget, effects, kinds)
