@@ -1,11 +1,18 @@
-"""Planner properties on random synthetic profiles (hypothesis): fits or names a minimum it then meets."""
+"""Planner properties on random synthetic profiles (hypothesis): fits or names a minimum it then meets; a larger
+budget is never slower; the solvers' fast structures agree with the simulator."""
 
+import random
+
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import libra
 from libra.planner import Planning
+from libra.planner.simulate import TimeModel
+from libra.planner.solvers.effects import PeakTree
+from libra.planner.solvers.greedy import state_for
 from libra.testing.synthetic import chain_profile
 
 profiles = st.builds(
@@ -63,3 +70,70 @@ def test_milp_never_worse_than_greedy_regression_3654():
     m = libra.plan(planning, budget, solver="milp")
     assert m.predicted_peak_bytes <= budget
     assert m.predicted_step_seconds <= g.predicted_step_seconds
+
+
+def _budget(planning, x: float) -> int:
+    """``x`` of the way from the smallest budget the planner meets to eager's peak (past 1: above eager's)."""
+    lo, hi = planning.min_budget_bytes(), planning.profile.eager_peak_bytes
+    return lo + int(x * (hi - lo))
+
+
+bandwidths = st.sampled_from([None, None, 2e9, 2e10])  # offloading is planned only with a host bandwidth
+
+
+@settings(max_examples=40, deadline=None)
+@given(prof=profiles, bandwidth=bandwidths, x=st.floats(0.0, 1.05), y=st.floats(0.0, 1.05))
+def test_a_larger_budget_is_never_slower(prof, bandwidth, x, y):
+    # NOTE [Monotone in the budget] (solvers/front.py)
+    planning = Planning(prof, host_bandwidth=bandwidth)
+    b1, b2 = sorted((_budget(planning, x), _budget(planning, y)))
+    p1, p2 = libra.plan(planning, b1), libra.plan(planning, b2)
+    assert p1.predicted_peak_bytes <= b1 and p2.predicted_peak_bytes <= b2
+    assert p2.predicted_step_seconds <= p1.predicted_step_seconds
+
+
+@settings(max_examples=12, deadline=None)
+@given(prof=profiles, x=st.floats(0.0, 1.0), y=st.floats(0.0, 1.0))
+def test_a_larger_budget_is_never_slower_with_the_milp(prof, x, y):
+    # HiGHS stops within its relative gap (1e-4) of the linear program's optimum, and the greedy's plan is its
+    # incumbent (NOTE [MILP incumbent]): monotone up to that gap.
+    planning = Planning(prof)
+    b1, b2 = sorted((_budget(planning, x), _budget(planning, y)))
+    p1, p2 = libra.plan(planning, b1, solver="milp"), libra.plan(planning, b2, solver="milp")
+    assert p1.predicted_peak_bytes <= b1 and p2.predicted_peak_bytes <= b2
+    added1, added2 = (p.predicted_step_seconds - prof.eager_step_seconds for p in (p1, p2))
+    assert added2 <= added1 * (1 + 1e-3) + 1e-12
+
+
+@settings(max_examples=25, deadline=None)
+@given(prof=profiles, bandwidth=bandwidths, seed=st.integers(0, 2**16))
+def test_time_model_and_effects_agree_with_the_simulator(prof, bandwidth, seed):
+    # The chains rank candidates by TimeModel: it must equal the simulator to the last bit. One decision's sparse
+    # effect must reproduce the simulated curve exactly, and the peak tree must track the summed effects.
+    planning = Planning(prof, host_bandwidth=bandwidth)
+    sim, fx = planning.sim, planning.effects
+    rng = random.Random(seed)
+    tm = TimeModel(sim)
+    for _ in range(20):
+        ui = rng.randrange(len(sim.units))
+        unit = sim.units[ui]
+        kept = [j if rng.random() < 0.5 or j not in unit.offloadable or bandwidth is None else ~j
+                for j in unit.candidates if rng.random() < 0.6]
+        tm.set(ui, None if rng.random() < 0.2 else frozenset(kept))
+        assert tm.seconds() == sim.run(tm.state).added_seconds
+    for m in rng.sample(range(len(fx.moves)), min(10, len(fx.moves))):
+        assert np.array_equal(sim.live(state_for(sim, [fx.moves[m]]))[0], fx.curve_of([m]))
+    chosen = list({int(fx.move_cand[m]): m for m in rng.sample(range(len(fx.moves)), len(fx.moves) // 2)}.values())
+    tree = PeakTree(fx.eager)
+    on = set()
+    for m in chosen:
+        tree.add_points(*fx.move_points(m))
+        if int(fx.move_unit[m]) not in on:
+            on.add(int(fx.move_unit[m]))
+            tree.add_points(*fx.unit_points(int(fx.move_unit[m])))
+    curve = fx.curve_of(chosen)
+    assert np.array_equal(tree.curve(), curve)
+    assert tree.peak() == (int(curve.max()), int(np.argmax(curve)))
+    a = rng.randrange(len(curve))
+    b = rng.randrange(a, len(curve))
+    assert tree.range_max(a, b) == curve[a:b + 1].max()

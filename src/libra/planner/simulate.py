@@ -30,6 +30,8 @@ def kept_split(cached: frozenset[int]) -> tuple[set[int], set[int]]:
 MODE_OVERHEAD_FACTOR = 2.5
 REGION_OVERHEAD_SECONDS = 120e-6
 
+_RECENT = 8  # simulated curves remembered
+
 
 class _ExactSum:
     """A sum of floats kept exactly (as an integer multiple of 2**-1100) and rounded once: the added seconds of a
@@ -104,6 +106,8 @@ class Simulator:
                 for pi in inst.packs:
                     self.pack_owner[pi] = (ui, ii)
         self.per_op = MODE_OVERHEAD_FACTOR * profile.dispatch_overhead_seconds
+        self._recent: dict[tuple, tuple[np.ndarray, float]] = {}
+        self._unit_times: dict[tuple[int, frozenset[int]], tuple] = {}
         # plain-Python copies for the per-storage loops (numpy scalar indexing is slow)
         self._nbytes = self.nbytes.tolist()
         self._alloc = self.alloc.tolist()
@@ -212,11 +216,9 @@ class Simulator:
         cur = peak = kept = 0
         span = inst.stop - inst.start
         frees: dict[int, int] = {}
-        k_inst = len(unit.instances)
         for local in range(span):
             if local in saved:
                 continue
-            seconds.add(unit.op_seconds[local] / k_inst)
             for k in by_op.get(local, ()):
                 size = nb[inst.sids[k]]
                 cur += size
@@ -230,7 +232,45 @@ class Simulator:
         extra = peak - kept
         if extra > 0:
             bursts.append((inst.t_r, extra))
+        self._replay_seconds(ui, ii, saved, seconds)
+
+    def _replay_seconds(self, ui: int, ii: int, saved: set[int], seconds: "_ExactSum") -> None:
+        unit = self.units[ui]
+        inst = unit.instances[ii]
+        span = inst.stop - inst.start
+        k_inst = len(unit.instances)
+        for local in range(span):
+            if local not in saved:
+                seconds.add(unit.op_seconds[local] / k_inst)
         seconds.add(span * self.per_op)
+
+    def _unit_time(self, ui: int, cached: frozenset[int]):
+        """The terms of the added seconds that unit ``ui`` with ``cached`` kept contributes on its own, exactly as
+        :meth:`_plan` sums them: ``(base, lane, offloads)``, the first two as :class:`_ExactSum` totals, the last
+        ``(t_r, seconds of each offloaded storage)`` per instance that replays (their exposure depends on the
+        region replayed before, NOTE [Prefetch]). Remembered per (unit, cached)."""
+        got = self._unit_times.get((ui, cached))
+        if got is None:
+            got = self._unit_times[(ui, cached)] = self._unit_time_of(ui, cached)
+        return got
+
+    def _unit_time_of(self, ui: int, cached: frozenset[int]):
+        unit = self.units[ui]
+        on_device, offloaded = kept_split(cached)
+        saved = unit.forced_save | on_device | offloaded
+        base = _ExactSum()
+        lane = _ExactSum()
+        offloads = []
+        nb = self._nbytes
+        for ii, inst in enumerate(unit.instances):
+            secs = [nb[s] / self.host_bandwidth for k, s in enumerate(inst.sids) if inst.producer[k] in offloaded]
+            for x in secs:
+                lane.add(2 * x)
+            if inst.t_r >= 0:
+                self._replay_seconds(ui, ii, saved, base)
+                offloads.append((inst.t_r, secs))
+            base.add((inst.end - inst.start) * self.per_op + REGION_OVERHEAD_SECONDS)
+        return base.total, lane.total, offloads
 
     def changes(self, state: State) -> tuple[np.ndarray, np.ndarray, float]:
         """The plan's changes to eager's live-bytes curve as a sparse difference array, and the added seconds.
@@ -274,11 +314,22 @@ class Simulator:
         return SimResult(peak_bytes=int(live[peak_op]), peak_op=min(peak_op, self.n - 1), added_seconds=added)
 
     def live(self, state: State) -> tuple[np.ndarray, float]:
-        """Live bytes after each op (index n: after the step), and the added seconds, under ``state``."""
-        pos, val, added = self.changes(state)
-        delta = self.base_delta[: self.n + 1].copy()
-        np.add.at(delta, pos, val)
-        return np.cumsum(delta), added
+        """Live bytes after each op (index n: after the step), and the added seconds, under ``state``.
+
+        The last few results are remembered (solvers ask for the same plan again); the array is read-only.
+        """
+        key = tuple(sorted(state.items()))
+        got = self._recent.get(key)
+        if got is None:
+            pos, val, added = self.changes(state)
+            delta = self.base_delta[: self.n + 1].copy()
+            np.add.at(delta, pos, val)
+            live = np.cumsum(delta)
+            live.flags.writeable = False
+            got = self._recent[key] = (live, added)
+            if len(self._recent) > _RECENT:
+                del self._recent[next(iter(self._recent))]
+        return got
 
     def live_at(self, state: State, t: int) -> list[tuple[int, int]]:
         """(storage id, bytes) of every storage live at op ``t`` under ``state``, largest first."""
@@ -292,3 +343,87 @@ class Simulator:
             if a <= t <= e:
                 out.append((src, int(self.nbytes[src])))
         return sorted(out, key=lambda x: -x[1])
+
+
+class TimeModel:
+    """The simulator's added seconds of a state that changes one unit at a time, kept up to date in time linear in
+    the size of the changed unit: always equal, to the last bit, to ``Simulator.run(state).added_seconds`` (both sum
+    the same terms exactly, :class:`_ExactSum`)."""
+
+    def __init__(self, sim: Simulator, state: State | None = None) -> None:
+        self.sim = sim
+        self.state: State = {}
+        self._terms: dict[int, tuple[int, int, list]] = {}
+        self._base = self._lane = self._exposed = 0
+        self._count: dict[int, int] = {}  # t_r -> active replays there
+        self._values: list[int] = []  # sorted distinct active t_r
+        self._offloads: dict[int, list[list]] = {}  # t_r -> [[seconds of its offloads, exposed total]]
+        for ui, cached in (state or {}).items():
+            self.set(ui, cached)
+
+    def seconds(self) -> float:
+        scale = 1 << _ExactSum._SHIFT
+        return self._base / scale + max(self._exposed / scale,
+                                        self._lane / scale - self.sim.profile.eager_step_seconds)
+
+    def _refresh(self, t: int) -> None:
+        """Recomputes the exposure of the offloads copied back for the replays at ``t``."""
+        groups = self._offloads.get(t)
+        if not groups:
+            return
+        i = bisect.bisect_left(self._values, t)
+        prefetch = self._values[i - 1] if i > 0 else t
+        op_time = self.sim._op_time
+        window = op_time[t] - op_time[prefetch]
+        for group in groups:
+            acc = _ExactSum()
+            for x in group[0]:
+                acc.add(max(0.0, x - window))
+            self._exposed += acc.total - group[1]
+            group[1] = acc.total
+
+    def _next_value(self, t: int) -> int | None:
+        i = bisect.bisect_right(self._values, t)
+        return self._values[i] if i < len(self._values) else None
+
+    def set(self, ui: int, cached: frozenset[int] | None) -> None:
+        """Unit ``ui`` now keeps ``cached`` (None: it is not checkpointed)."""
+        refresh: set[int] = set()
+        old = self._terms.pop(ui, None)
+        if old is not None:
+            del self.state[ui]
+            base, lane, groups = old
+            self._base -= base
+            self._lane -= lane
+            for t, group in groups:
+                self._exposed -= group[1]
+                self._offloads[t].remove(group)
+                self._count[t] -= 1
+                if self._count[t] == 0:
+                    del self._count[t]
+                    self._values.pop(bisect.bisect_left(self._values, t))
+                    nxt = self._next_value(t)
+                    if nxt is not None:
+                        refresh.add(nxt)
+        if cached is not None:
+            self.state[ui] = cached
+            base, lane, offloads = self.sim._unit_time(ui, cached)
+            self._base += base
+            self._lane += lane
+            groups = []
+            for t, secs in offloads:
+                group = [secs, 0]
+                groups.append((t, group))
+                self._offloads.setdefault(t, []).append(group)
+                if t not in self._count:
+                    self._count[t] = 0
+                    bisect.insort(self._values, t)
+                    nxt = self._next_value(t)
+                    if nxt is not None:
+                        refresh.add(nxt)
+                self._count[t] += 1
+                refresh.add(t)
+            self._terms[ui] = (base, lane, groups)
+        for t in refresh:
+            if t in self._count:
+                self._refresh(t)

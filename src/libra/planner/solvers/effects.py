@@ -52,7 +52,7 @@ class Effects:
     def __init__(self, sim: Simulator, kinds=(RECOMPUTE,)) -> None:
         self.kinds = tuple(kinds)
         self.n_t = sim.n + 1
-        self.eager, _ = sim.live({})
+        self.eager = np.array(sim.live({})[0])
         self.moves: list[tuple[int, int, str]] = []
         self.cand_of: list[tuple[int, int]] = []  # candidate index -> (unit, local op)
         unit_pos, unit_val, unit_ptr, unit_cost = [], [], [0], []

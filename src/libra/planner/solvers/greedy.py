@@ -23,6 +23,7 @@ import numpy as np
 
 from libra.planner.simulate import SimResult, Simulator, State
 from libra.planner.solvers.effects import OFFLOAD, RECOMPUTE, Effects, PeakTree
+from libra.planner.solvers.front import Front, default_ladder
 
 __all__ = ["Effects", "full_state", "state_for", "solve", "solve_at", "RECOMPUTE", "OFFLOAD"]
 
@@ -147,6 +148,61 @@ class _Ranking:
                 heapq.heappush(self.heap, (-float(self.score[m]), u, m, (m,)))
 
 
+class _Path:
+    """The greedy's growth from eager with no budget, recorded option by option: growth for any budget follows it
+    until the estimate first fits, so solves for several budgets share it."""
+
+    def __init__(self, fx: Effects, allowed: np.ndarray) -> None:
+        self.fx = fx
+        self.on = np.zeros(fx.n_units, dtype=bool)
+        self.taken = ~allowed
+        self.tree = PeakTree(fx.eager)
+        self.ranking: _Ranking | None = None
+        self.moves: list[int] = []
+        self.ends: list[int] = [0]  # after option i the plan is moves[:ends[i]]
+        self.peaks: list[int] = [self.tree.peak()[0]]
+        self.stuck = False
+
+    def prefix(self, budget: int) -> list[int] | None:
+        """The moves of the path up to where the estimate first fits ``budget``; None if it never does."""
+        for i, peak in enumerate(self.peaks):
+            if peak <= budget:
+                return self.moves[: self.ends[i]]
+        while not self.stuck:
+            peak, t = self.tree.peak()
+            if peak <= budget:
+                return list(self.moves)
+            if self.ranking is None or self.ranking.t != t:
+                self.ranking = _Ranking(self.fx, t, self.on, self.taken)
+            option = self.ranking.pop(self.on, self.taken)
+            if option is None:
+                self.stuck = True
+                break
+            _take(self.fx, self.tree, option, self.on, self.taken, self.moves, self.ranking)
+            self.tree.forget()
+            self.ends.append(len(self.moves))
+            self.peaks.append(self.tree.peak()[0])
+        return None
+
+
+def _take(fx: Effects, tree: PeakTree, moves, on: np.ndarray, taken: np.ndarray, chosen: list,
+          ranking: _Ranking | None = None) -> None:
+    """Takes ``moves``: their effects (and their units', when new) go on ``tree``."""
+    new_units = []
+    for m in moves:
+        u = int(fx.move_unit[m])
+        tree.add_points(*fx.move_points(m))
+        if not on[u]:
+            tree.add_points(*fx.unit_points(u))
+            on[u] = True
+            new_units.append(u)
+        fx.take(taken, m)
+        chosen.append(m)
+    if ranking is not None:
+        for u in new_units:
+            ranking.unit_on(u, taken)
+
+
 class _Search:
     """One greedy solve for one budget, with moves of the allowed kinds only."""
 
@@ -164,32 +220,21 @@ class _Search:
         return live
 
     def _flags(self, chosen, banned=()) -> tuple[np.ndarray, np.ndarray]:
+        """(checkpointed units, moves no longer open) for a plan made of ``chosen``."""
         fx = self.fx
         on = np.zeros(fx.n_units, dtype=bool)
-        taken = ~self.allowed
+        chosen = np.asarray(chosen, dtype=np.int64)
+        on[fx.move_unit[chosen]] = True
+        cand = np.zeros(len(fx.cand_of), dtype=bool)
+        cand[fx.move_cand[chosen]] = True
+        taken = ~self.allowed | cand[fx.move_cand]
         for u in banned:
             taken[fx.moves_of_unit(u)] = True
-        for m in chosen:
-            fx.take(taken, m)
-            on[fx.move_unit[m]] = True
         return on, taken
 
     def _apply(self, tree: PeakTree, moves, on: np.ndarray, taken: np.ndarray, chosen: list,
                ranking: _Ranking | None = None) -> None:
-        fx = self.fx
-        new_units = []
-        for m in moves:
-            u = int(fx.move_unit[m])
-            tree.add_points(*fx.move_points(m))
-            if not on[u]:
-                tree.add_points(*fx.unit_points(u))
-                on[u] = True
-                new_units.append(u)
-            fx.take(taken, m)
-            chosen.append(m)
-        if ranking is not None:
-            for u in new_units:
-                ranking.unit_on(u, taken)
+        _take(self.fx, tree, moves, on, taken, chosen, ranking)
 
     # ---- growth -------------------------------------------------------------------------------------------------
     def grow(self, tree: PeakTree, chosen: list, on: np.ndarray, taken: np.ndarray) -> bool:
@@ -229,16 +274,26 @@ class _Search:
             count[u] = count.get(u, 0) + 1
         removed = []
         budget = self.budget
+        peak, at = tree.peak()
         for m in sorted(chosen, key=lambda m: (-fx.move_cost[m], m)):
             u = int(fx.move_unit[m])
             last = count[u] == 1
-            # the curve fits now, so dropping m fits unless it rises over the budget where it takes bytes back
-            if all(tree.range_max(a, b) + up <= budget for a, b, up in fx.removal_rises(m, last)):
+            # The curve fits now, so dropping m fits unless it rises over the budget where it takes bytes back.
+            # Where that stretch holds the peak, the peak decides; where even the peak plus the rise fits, it fits.
+            fits = True
+            for a, b, up in fx.removal_rises(m, last):
+                if peak + up <= budget:
+                    continue
+                if a <= at <= b or tree.range_max(a, b) + up > budget:
+                    fits = False
+                    break
+            if fits:
                 tree.add_points(*fx.move_points(m), sign=-1)
                 if last:
                     tree.add_points(*fx.unit_points(u), sign=-1)
                 removed.append(m)
                 count[u] -= 1
+                peak, at = tree.peak()
         return removed
 
     def undo(self, chosen: list, live: np.ndarray) -> tuple[list, np.ndarray]:
@@ -299,11 +354,18 @@ class _Search:
         grown = self.grow_verified(list(trial), on, taken, PeakTree(live))
         return None if grown is None else self.undo(*grown)
 
-    def run(self, kinds: tuple[str, ...], full: State) -> list[int] | None:
+    def run(self, kinds: tuple[str, ...], full: State, path: _Path) -> list[int] | None:
         """Greedy growth, undo, polish and exchange; None when even evicting everything fails."""
         fx, sim = self.fx, self.sim
-        on, taken = self._flags([])
-        grown = self.grow_verified([], on, taken, PeakTree(fx.eager))
+        grown = None
+        start = path.prefix(self.budget)
+        if start is not None:
+            live = self.simulate(start)
+            if live.max() <= self.budget:
+                grown = start, live
+            else:  # the regions interact: go on from the simulated curve
+                on, taken = self._flags(start)
+                grown = self.grow_verified(list(start), on, taken, PeakTree(live))
         if grown is None:
             # Nothing frees bytes at some peak (a replay's own transient, say): start from evicting everything,
             # which fits, and keep what is not needed.
@@ -376,8 +438,12 @@ def solve_at(sim: Simulator, budget: int, effects: Effects | None = None, kinds=
         state, result = _full(sim, fx, variant)
         if result.peak_bytes > budget:
             continue
-        allowed = np.array([kind in variant for _, _, kind in fx.moves], dtype=bool)
-        chosen = _Search(sim, fx, budget, allowed).run(variant, state)
+        paths = fx.__dict__.setdefault("_paths", {})
+        if variant not in paths:
+            allowed = np.array([kind in variant for _, _, kind in fx.moves], dtype=bool)
+            paths[variant] = (allowed, _Path(fx, allowed))
+        allowed, path = paths[variant]
+        chosen = _Search(sim, fx, budget, allowed).run(variant, state, path)
         if chosen is None:
             continue
         state = state_for(sim, [fx.moves[c] for c in chosen])
@@ -387,6 +453,25 @@ def solve_at(sim: Simulator, budget: int, effects: Effects | None = None, kinds=
     return best
 
 
-def solve(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RECOMPUTE,)) -> State | None:
-    """The greedy state for ``budget``, or None when even evicting every candidate does not fit."""
-    return solve_at(sim, budget, effects, kinds)
+def solve(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RECOMPUTE,),
+          ladder: list[int] | None = None) -> State | None:
+    """The greedy state for ``budget``, or None when even evicting every candidate does not fit.
+
+    Monotone: a larger budget never gives a state with more simulated added seconds (NOTE [Monotone in the budget]
+    in ``front.py``). ``ladder`` is the budgets solved exactly (default: sixteenths of the way from the lowest
+    reachable peak to eager's); it must not depend on the budget.
+    """
+    if sim.run({}).peak_bytes <= budget:
+        return {}
+    fx = Effects(sim, kinds) if effects is None else effects
+    floor = _full(sim, fx, fx.kinds)[1].peak_bytes
+    if floor > budget:
+        return None
+    if ladder is None:
+        ladder = default_ladder(sim, floor)
+    ladder = sorted({max(int(d), floor) for d in ladder} | {floor})
+    fronts = fx.__dict__.setdefault("_fronts", {})
+    key = tuple(ladder)
+    if key not in fronts:
+        fronts[key] = Front(sim, fx, lambda d: solve_at(sim, d, fx), ladder)
+    return fronts[key].solve(budget)
