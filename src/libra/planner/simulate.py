@@ -357,7 +357,8 @@ class TimeModel:
         self._base = self._lane = self._exposed = 0
         self._count: dict[int, int] = {}  # t_r -> active replays there
         self._values: list[int] = []  # sorted distinct active t_r
-        self._offloads: dict[int, list[list]] = {}  # t_r -> [[seconds of its offloads, exposed total]]
+        self._offloads: dict[int, list[list]] = {}  # t_r -> [[seconds of its offloads, exposed total, by prefetch]]
+        self._exposures: dict[tuple, dict[int, int]] = {}  # (unit, cached, instance) -> prefetch -> exposed
         for ui, cached in (state or {}).items():
             self.set(ui, cached)
 
@@ -376,11 +377,14 @@ class TimeModel:
         op_time = self.sim._op_time
         window = op_time[t] - op_time[prefetch]
         for group in groups:
-            acc = _ExactSum()
-            for x in group[0]:
-                acc.add(max(0.0, x - window))
-            self._exposed += acc.total - group[1]
-            group[1] = acc.total
+            total = group[2].get(prefetch)
+            if total is None:
+                acc = _ExactSum()
+                for x in group[0]:
+                    acc.add(max(0.0, x - window))
+                total = group[2][prefetch] = acc.total
+            self._exposed += total - group[1]
+            group[1] = total
 
     def _next_value(self, t: int) -> int | None:
         i = bisect.bisect_right(self._values, t)
@@ -411,8 +415,8 @@ class TimeModel:
             self._base += base
             self._lane += lane
             groups = []
-            for t, secs in offloads:
-                group = [secs, 0]
+            for i, (t, secs) in enumerate(offloads):
+                group = [secs, 0, self._exposures.setdefault((ui, cached, i), {})]
                 groups.append((t, group))
                 self._offloads.setdefault(t, []).append(group)
                 if t not in self._count:

@@ -309,12 +309,22 @@ class PeakTree:
     def mark(self) -> int:
         return len(self._log)
 
+    def add_merged(self, groups) -> None:
+        """Adds several effects at once, ``(pos, val, sign)`` each: entries at one position are summed first, so
+        the tree is walked once per distinct position."""
+        merged: dict[int, int] = {}
+        for pos, val, sign in groups:
+            for p, v in zip(pos, val):
+                merged[p] = merged.get(p, 0) + sign * v
+        pos = [p for p, v in merged.items() if v]
+        self.add_points(pos, [merged[p] for p in pos])
+
     def rollback(self, mark: int) -> None:
         """Undoes every change since ``mark``."""
         log = self._log
         undone = log[mark:]
         del log[mark:]
-        self.add_points([p for p, _ in reversed(undone)], [v for _, v in reversed(undone)], sign=-1)
+        self.add_merged([([p for p, _ in undone], [v for _, v in undone], -1)])
         del log[mark:]
 
     def forget(self) -> None:

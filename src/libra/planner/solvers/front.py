@@ -8,21 +8,26 @@ its plans for a few smaller budgets is not enough: the greedy's plan for some ``
 everything the ladder of ``b2`` reaches, and a pure planner cannot remember it (on chains of 2-8 blocks the greedy
 alone got slower with more memory at 28 of 720 budget steps). The family:
 
-- anchors: the greedy's plan (``solve_at``) for each rung of a fixed ladder, sixteenths of the way from the lowest
-  peak the planner reaches to eager's (the lowest itself included);
-- from every anchor, two chains of un-evictions: decisions taken back one at a time (in the second chain, also a
-  whole unit at once, which saves checkpointing it, a fixed cost no single move shows until the last), each the one
-  that raises the estimated peak least per second it saves, until the peak passes the rung eight above. Every state
-  of a chain is a candidate; the chains bridge the budgets between rungs, also from rungs far below.
+- anchors: the greedy's plan (``solve_at``) for each rung of a fixed ladder from the lowest peak the planner
+  reaches to eager's (:func:`default_ladder`: 20 rungs, closer together near the floor);
+- from every anchor, two chains: steps that each take back one decision (in the second chain, also all that is
+  left of a unit at once, which saves checkpointing it, a fixed cost no single move shows until the last) or switch
+  one candidate to the other mechanism, always the step that raises the estimated peak least per second it saves,
+  until the peak passes the rung ten above. Every state of a chain is a candidate; the chains bridge the budgets
+  between rungs, also from rungs far below.
 
 A candidate counts for ``b`` when its estimated peak fits ``b`` and the simulator confirms it (each candidate is
 simulated at most once); both are properties of the candidate alone, so the rule stays monotone. Candidates are
 ranked by their simulated added seconds, which :class:`~libra.planner.simulate.TimeModel` follows exactly along a
 chain, so equal plans tie exactly. Only rungs at or below ``b`` are solved, when first needed, and remembered with
-the effects. On the synthetic chains and test models this is on average as cheap as the greedy's plan for the exact
-budget, often cheaper (it also tries plans made for smaller budgets), at most about 1.4x dearer on the smallest
-profiles, between rungs. The cost: a greedy solve per rung below ``b`` (at most 17, sharing one growth path) and
-two chains per rung, each O(k (log n + unit size)) for a plan of k moves over n ops.
+the effects.
+
+Measured over 41 budgets from the floor to eager (bench/results/planner-scaling-*.json has the run): on the test
+models (GPT, MLP, ResNet) and on synthetic chains of 2-40 blocks the chosen plan costs on average the same as the
+greedy's plan for the exact budget or less (with offloading allowed, 20-30% less: the greedy alone is far from
+monotone there), and it is more than 3% dearer at 0-7% of the budgets (up to 17% with offloading on small chains),
+between rungs, where the cost of a plan changes fastest. The cost: a greedy solve per rung below ``b`` (they share
+one growth path) and two chains per rung, each O(k (log n + unit size)) for a plan of k moves over n ops.
 """
 
 from __future__ import annotations
@@ -36,107 +41,160 @@ from libra.planner.solvers.effects import OFFLOAD, Effects, PeakTree
 
 __all__ = ["Front", "default_ladder", "LADDER_STEPS"]
 
-LADDER_STEPS = 16
-_REACH = 8  # a chain stops once its estimated peak passes the rung this many above its anchor
+LADDER_STEPS = 20
+_REACH = 4  # a chain stops once its estimated peak passes the rung this many above its anchor
 
 
 def default_ladder(sim: Simulator, floor: int) -> list[int]:
-    """Sixteenths of the way from the lowest reachable peak (``floor``) to eager's, and the floor itself."""
+    """Rungs from the lowest reachable peak (``floor``) to eager's, closer together near the floor, where the cost of
+    a plan changes fastest with the budget: the k-th at ``(k / LADDER_STEPS) ** 1.5`` of the way."""
     eager = int(sim.profile.eager_peak_bytes)
-    return sorted({floor + (eager - floor) * k // LADDER_STEPS for k in range(LADDER_STEPS)})
+    return sorted({floor + int((eager - floor) * (k / LADDER_STEPS) ** 1.5) for k in range(LADDER_STEPS)})
+
+
+_MOVE, _UNIT, _SWITCH = 0, 1, 2
 
 
 class _Chain:
-    """One anchor plan and its un-evictions, one move or one whole unit at a time."""
+    """One anchor plan and its chain of un-evictions (NOTE [Monotone in the budget]).
+
+    A step takes back one move, or (``whole_units``) all that is left of a unit, or switches one candidate to the
+    other mechanism (recompute <-> offload) where that is estimated cheaper: each the one that raises the estimated
+    peak least per second saved. State ``i`` is the anchor with the first ``i`` steps made.
+    """
 
     def __init__(self, sim: Simulator, fx: Effects, moves: list[int], live: np.ndarray, whole_units: bool,
                  ceiling: int | None = None) -> None:
         self.sim, self.fx = sim, fx
         self.moves = list(moves)
         tree = PeakTree(live)
-        remaining: dict[int, set[int]] = {}
+        current: dict[int, set[int]] = {}  # unit -> its moves in the current state
         for m in moves:
-            remaining.setdefault(int(fx.move_unit[m]), set()).add(m)
-        state = _state(sim, fx, moves)
-        tm = TimeModel(sim, state)
-        self.removed: list[int] = []
-        self.ends = [0]  # state i is the anchor without removed[:ends[i]]
+            current.setdefault(int(fx.move_unit[m]), set()).add(m)
+        tm = TimeModel(sim, _state(sim, fx, moves))
+        self.steps: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (moves dropped, moves added) per step
         peaks = [int(live.max())]
         costs = [tm.seconds()]
+        partner = {}  # move -> the other mechanism's move of its candidate
+        for ms in fx._moves_of_cand:
+            if len(ms) == 2:
+                partner[ms[0]], partner[ms[1]] = ms[1], ms[0]
 
         def rise(rises) -> int:
-            """The estimated peak once the bytes of ``rises`` are back."""
+            """How much the estimated peak grows once the bytes of ``rises`` are back."""
             peak, at = tree.peak()
             new = peak
-            for a, b, up in rises:
-                if a <= at <= b:
+            for lo, hi, up in rises:
+                if lo <= at <= hi:
                     new = max(new, peak + up)
                 elif new < peak + up:
-                    new = max(new, tree.range_max(a, b) + up)
+                    new = max(new, tree.range_max(lo, hi) + up)
             return new - peak
 
-        def key(option: int) -> tuple:
-            """Peak increase per second saved: a move (``option >= 0``), or all that is left of unit ``~option``
-            (taking a unit back whole also saves checkpointing it, which no single move shows until the last)."""
-            if option >= 0:
-                u = int(fx.move_unit[option])
-                last = len(remaining[u]) == 1
-                saved = float(fx.move_cost[option]) + (float(fx.unit_cost[u]) if last else 0.0)
-                up = rise(fx.removal_rises(option, last))
+        def merged_rises(dropped, added, unit: int | None):
+            merged: dict[int, int] = {}
+            for m in dropped:
+                for q, v in zip(*fx.move_points(m)):
+                    merged[q] = merged.get(q, 0) + v
+            for m in added:
+                for q, v in zip(*fx.move_points(m)):
+                    merged[q] = merged.get(q, 0) - v
+            if unit is not None:
+                for q, v in zip(*fx.unit_points(unit)):
+                    merged[q] = merged.get(q, 0) + v
+            pos = sorted(merged)
+            return fx.rises(pos, [merged[q] for q in pos])
+
+        def change(kind: int, x: int):
+            """(unit, moves dropped, moves added, seconds saved) of an option, or None if it is no longer open."""
+            if kind == _UNIT:
+                ms = current.get(x, ())
+                if len(ms) < 2:
+                    return None
+                ms = sorted(ms)
+                return x, ms, [], float(fx.move_cost[ms].sum() + fx.unit_cost[x])
+            u = int(fx.move_unit[x])
+            if x not in current.get(u, ()):
+                return None
+            if kind == _MOVE:
+                last = len(current[u]) == 1
+                return u, [x], [], float(fx.move_cost[x]) + (float(fx.unit_cost[u]) if last else 0.0)
+            other = partner[x]
+            saved = float(fx.move_cost[x] - fx.move_cost[other])
+            return (u, [x], [other], saved) if saved > 0 else None
+
+        def key(kind: int, x: int):
+            got = change(kind, x)
+            if got is None:
+                return None
+            u, dropped, added, saved = got
+            if any(fx.moves[m][2] == OFFLOAD for m in dropped) or added:
+                # an offload's cost depends on the neighbouring replays (NOTE [Prefetch]): ask the time model
+                before = tm.seconds()
+                rest = (current[u] - set(dropped)) | set(added)
+                tm.set(u, _unit_state(sim, fx, u, rest))
+                saved = before - tm.seconds()
+                tm.set(u, _unit_state(sim, fx, u, current[u]))
+                if kind == _SWITCH and saved <= 0:
+                    return None
+            if kind == _MOVE:
+                up = rise(fx.removal_rises(x, len(current[u]) == 1))
             else:
-                u = ~option
-                ms = sorted(remaining[u])
-                saved = float(fx.move_cost[ms].sum() + fx.unit_cost[u])
-                merged: dict[int, int] = {}
-                for m in ms:
-                    for p, v in zip(*fx.move_points(m)):
-                        merged[p] = merged.get(p, 0) + v
-                for p, v in zip(*fx.unit_points(u)):
-                    merged[p] = merged.get(p, 0) + v
-                pos = sorted(merged)
-                up = rise(fx.rises(pos, [merged[p] for p in pos]))
-            return up / max(saved, 1e-12), -saved, option
+                up = rise(merged_rises(dropped, added, u if kind == _UNIT else None))
+            return up / max(saved, 1e-12), -saved, kind, x
 
-        def take(m: int) -> None:
-            u = int(fx.move_unit[m])
-            tree.add_points(*fx.move_points(m), sign=-1)
-            remaining[u].discard(m)
-            if not remaining[u]:
-                tree.add_points(*fx.unit_points(u), sign=-1)
-                del remaining[u]
-            tree.forget()
-            self.removed.append(m)
+        def push(kind: int, x: int) -> None:
+            entry = key(kind, x)
+            if entry is not None:
+                heapq.heappush(heap, entry)
 
-        heap = [key(m) for m in moves]
+        heap: list = []
+        for m in moves:
+            push(_MOVE, m)
+            if m in partner:
+                push(_SWITCH, m)
         if whole_units:
-            heap += [key(~u) for u, ms in remaining.items() if len(ms) > 1]
-        heapq.heapify(heap)
+            for u in current:
+                push(_UNIT, u)
         while heap and (ceiling is None or peaks[-1] <= ceiling):
             stale = heapq.heappop(heap)
-            option = stale[2]
-            if option >= 0 and option not in remaining.get(int(fx.move_unit[option]), ()):
+            kind, x = stale[2], stale[3]
+            fresh = key(kind, x)
+            if fresh is None:
                 continue
-            if option < 0 and len(remaining.get(~option, ())) < 2:
-                continue
-            fresh = key(option)
             if heap and fresh > stale and fresh > heap[0]:
                 heapq.heappush(heap, fresh)
                 continue
-            u = int(fx.move_unit[option]) if option >= 0 else ~option
-            for m in ([option] if option >= 0 else sorted(remaining[u])):
-                take(m)
-            tm.set(u, _unit_state(sim, fx, u, remaining.get(u)))
+            u, dropped, added, _ = change(kind, x)
+            groups = [(*fx.move_points(m), -1) for m in dropped] + [(*fx.move_points(m), 1) for m in added]
+            for m in dropped:
+                current[u].discard(m)
+            current[u].update(added)
+            if not current[u]:
+                groups.append((*fx.unit_points(u), -1))
+                del current[u]
+            if len(groups) == 1:
+                tree.add_points(*groups[0])
+            else:
+                tree.add_merged(groups)
+            tree.forget()
+            tm.set(u, _unit_state(sim, fx, u, current.get(u)))
+            self.steps.append((tuple(dropped), tuple(added)))
             peaks.append(tree.peak()[0])
             costs.append(tm.seconds())
-            self.ends.append(len(self.removed))
-            if whole_units and len(remaining.get(u, ())) > 1:
-                heapq.heappush(heap, key(~u))
+            for m in added:
+                push(_MOVE, m)  # a switched candidate can still be taken back, or switched again
+            if whole_units and len(current.get(u, ())) > 1:
+                push(_UNIT, u)
         self.peaks = np.array(peaks, dtype=np.int64)
         self.costs = np.array(costs, dtype=np.float64)
 
     def state(self, i: int) -> State:
-        gone = set(self.removed[:self.ends[i]])
-        return _state(self.sim, self.fx, [m for m in self.moves if m not in gone])
+        moves = set(self.moves)
+        for dropped, added in self.steps[:i]:
+            moves.difference_update(dropped)
+            moves.update(added)
+        return _state(self.sim, self.fx, sorted(moves))
 
 
 def _unit_state(sim: Simulator, fx: Effects, u: int, moves) -> frozenset[int] | None:

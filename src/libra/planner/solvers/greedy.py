@@ -189,15 +189,20 @@ def _take(fx: Effects, tree: PeakTree, moves, on: np.ndarray, taken: np.ndarray,
           ranking: _Ranking | None = None) -> None:
     """Takes ``moves``: their effects (and their units', when new) go on ``tree``."""
     new_units = []
+    groups = []
     for m in moves:
         u = int(fx.move_unit[m])
-        tree.add_points(*fx.move_points(m))
+        groups.append((*fx.move_points(m), 1))
         if not on[u]:
-            tree.add_points(*fx.unit_points(u))
+            groups.append((*fx.unit_points(u), 1))
             on[u] = True
             new_units.append(u)
         fx.take(taken, m)
         chosen.append(m)
+    if len(groups) == 1:
+        tree.add_points(*groups[0])
+    else:
+        tree.add_merged(groups)
     if ranking is not None:
         for u in new_units:
             ranking.unit_on(u, taken)
@@ -328,14 +333,10 @@ class _Search:
         (``live_tree`` is the simulated curve of ``chosen``; it is restored)."""
         fx = self.fx
         mark = live_tree.mark()
-        rest = []
-        for m in chosen:
-            if fx.move_unit[m] == drop_unit:
-                live_tree.add_points(*fx.move_points(m), sign=-1)
-            else:
-                rest.append(m)
+        rest = [m for m in chosen if fx.move_unit[m] != drop_unit]
         if len(rest) < len(chosen):
-            live_tree.add_points(*fx.unit_points(drop_unit), sign=-1)
+            dropped = [(*fx.move_points(m), -1) for m in chosen if fx.move_unit[m] == drop_unit]
+            live_tree.add_merged(dropped + [(*fx.unit_points(drop_unit), -1)])
         on, taken = self._flags(rest, banned=(drop_unit,))
         self._apply(live_tree, [m for m in add if not taken[m]], on, taken, rest)
         result = None
@@ -354,8 +355,8 @@ class _Search:
         grown = self.grow_verified(list(trial), on, taken, PeakTree(live))
         return None if grown is None else self.undo(*grown)
 
-    def run(self, kinds: tuple[str, ...], full: State, path: _Path) -> list[int] | None:
-        """Greedy growth, undo, polish and exchange; None when even evicting everything fails."""
+    def run(self, full: State, path: _Path) -> tuple[list[int], np.ndarray]:
+        """Greedy growth along the shared path and undo: (moves, simulated curve)."""
         fx, sim = self.fx, self.sim
         grown = None
         start = path.prefix(self.budget)
@@ -371,7 +372,11 @@ class _Search:
             # which fits, and keep what is not needed.
             chosen = _moves_of(fx, full)
             grown = chosen, self.simulate(chosen)
-        chosen, live = self.undo(*grown)
+        return self.undo(*grown)
+
+    def polish(self, kinds: tuple[str, ...], chosen: list[int], live: np.ndarray) -> list[int]:
+        """Tries doing without each of the costliest checkpointed units, and exchanging one for an idle unit."""
+        fx = self.fx
         cost = fx.cost(chosen)
 
         def consider(trial: list | None) -> None:
@@ -383,20 +388,47 @@ class _Search:
                 chosen, live = settled
                 cost = fx.cost(chosen)
                 tree = PeakTree(live)
+                measure()
 
-        # Polish: try doing without each checkpointed unit (the costliest few), regrowing elsewhere.
+        # NOTE [Hopeless trials]: a trial that drops unit u must free again, at the current peak t, the bytes u
+        # freed there beyond the budget's slack, and no open option frees more bytes at t per second than the best
+        # one now; when even that rate cannot make up for what dropping u saves, the trial is not run.
         tree = PeakTree(live)
         spend: dict[int, float] = {}
-        for m in chosen:
-            u = int(fx.move_unit[m])
-            spend[u] = spend.get(u, float(fx.unit_cost[u])) + float(fx.move_cost[m])
+        freed: dict[int, int] = {}
+        rate = 0.0
+        slack = 0
+        mv = uv = None
+
+        def measure() -> None:
+            nonlocal rate, slack, mv, uv
+            t = int(np.argmax(live))
+            mv, uv = fx.values_at(t)
+            on, taken = self._flags(chosen)
+            top = _Ranking(fx, t, on, taken).heap
+            rate = -top[0][0] if top else 0.0
+            slack = self.budget - int(live[t])
+            spend.clear()
+            freed.clear()
+            for m in chosen:
+                u = int(fx.move_unit[m])
+                spend[u] = spend.get(u, float(fx.unit_cost[u])) + float(fx.move_cost[m])
+                freed[u] = freed.get(u, -int(uv[u])) - int(mv[m])
+
+        def hopeless(u: int, adds: float = 0.0, frees: int = 0) -> bool:
+            if u not in spend:
+                return True
+            need = freed[u] - frees - slack
+            return need > 0 and (rate <= 0 or adds + need / rate >= spend[u])
+
+        measure()
+        # Polish: try doing without each checkpointed unit (the costliest few), regrowing elsewhere.
         for ui in sorted(spend, key=lambda u: (-spend[u], u))[:_POLISH_UNITS]:
-            if any(fx.move_unit[m] == ui for m in chosen):
+            if any(fx.move_unit[m] == ui for m in chosen) and not hopeless(ui):
                 consider(self.trial(chosen, tree, ui, []))
         # Exchange: drop one used unit and start from all of an idle one (the fixed cost of checkpointing a unit
         # makes "fewer units, more moves each" a plan single removals do not reach).
-        t = int(np.argmax(live))
-        mv, uv = fx.values_at(t)
+        measure()
         used = {int(fx.move_unit[m]) for m in chosen}
         idle = [u for u in range(fx.n_units) if u not in used]
         potential = {}
@@ -409,7 +441,10 @@ class _Search:
                 if not any(fx.move_unit[m] == ui for m in chosen):
                     break
                 add = [int(m) for m in fx.moves_of_unit(vj) if self.allowed[m] and fx.moves[m][2] == kinds[0]]
-                consider(self.trial(chosen, tree, ui, add))
+                adds = float(fx.unit_cost[vj] + fx.move_cost[add].sum()) if add else 0.0
+                frees = -int(uv[vj]) - int(mv[add].sum()) if add else 0
+                if not hopeless(ui, adds, frees):
+                    consider(self.trial(chosen, tree, ui, add))
         return chosen
 
 
@@ -425,15 +460,14 @@ def solve_at(sim: Simulator, budget: int, effects: Effects | None = None, kinds=
     """The greedy state for exactly ``budget`` (not monotone in it; see :func:`solve`), or None when even evicting
     every candidate does not fit.
 
-    With both mechanisms allowed, the search also runs with each alone and the cheapest simulated plan wins: a
-    greedy that mixes them from the first move can miss a plan that uses one throughout.
+    With both mechanisms allowed, the growth also runs with each alone and the cheapest simulated plan is polished:
+    a greedy that mixes them from the first move can miss a plan that uses one throughout.
     """
     if sim.run({}).peak_bytes <= budget:
         return {}
     fx = Effects(sim, kinds) if effects is None else effects
     variants = [fx.kinds] + ([(k,) for k in fx.kinds] if len(fx.kinds) > 1 else [])
-    best: State | None = None
-    best_seconds = float("inf")
+    best = None
     for variant in variants:
         state, result = _full(sim, fx, variant)
         if result.peak_bytes > budget:
@@ -443,14 +477,16 @@ def solve_at(sim: Simulator, budget: int, effects: Effects | None = None, kinds=
             allowed = np.array([kind in variant for _, _, kind in fx.moves], dtype=bool)
             paths[variant] = (allowed, _Path(fx, allowed))
         allowed, path = paths[variant]
-        chosen = _Search(sim, fx, budget, allowed).run(variant, state, path)
-        if chosen is None:
-            continue
-        state = state_for(sim, [fx.moves[c] for c in chosen])
-        seconds = sim.run(state).added_seconds
-        if seconds < best_seconds:
-            best, best_seconds = state, seconds
-    return best
+        search = _Search(sim, fx, budget, allowed)
+        chosen, live = search.run(state, path)
+        seconds = sim.run(state_for(sim, [fx.moves[c] for c in chosen])).added_seconds
+        if best is None or seconds < best[0]:
+            best = (seconds, variant, search, chosen, live)
+    if best is None:
+        return None
+    _, variant, search, chosen, live = best
+    chosen = search.polish(variant, chosen, live)
+    return state_for(sim, [fx.moves[c] for c in chosen])
 
 
 def solve(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RECOMPUTE,),
