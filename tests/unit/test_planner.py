@@ -72,3 +72,18 @@ def test_plan_is_deterministic(case):
     b = libra.plan(prof, prof.budget_for_share(0.5))
     a.planner_seconds = b.planner_seconds = 0.0
     assert a == b
+
+
+@pytest.mark.parametrize("bandwidth", [None, 2e9])
+def test_a_larger_budget_is_never_slower(case, bandwidth):
+    # NOTE [Monotone in the budget] (solvers/front.py), on real profiles, with offloading and without
+    planning = Planning(case.profile, host_bandwidth=bandwidth)
+    lo, hi = planning.min_budget_bytes(), case.profile.eager_peak_bytes
+    previous = None
+    for k in range(21):
+        budget = lo + (hi - lo) * k // 20
+        plan = libra.plan(planning, budget)
+        assert plan.predicted_peak_bytes <= budget
+        if previous is not None:
+            assert plan.predicted_step_seconds <= previous
+        previous = plan.predicted_step_seconds
