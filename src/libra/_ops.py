@@ -21,6 +21,7 @@ class OpInfo:
     fresh_returns: tuple[bool, ...]  # per return: True when it does not alias an input
     random: bool  # draws from a generator (torch.Tag.nondeterministic_seeded)
     collective: bool
+    python_value: bool  # returns something other than tensors (a number, a bool): Python may read it
 
 
 _CACHE: dict[object, OpInfo] = {}
@@ -39,9 +40,18 @@ def op_info(func) -> OpInfo:
             fresh_returns=tuple(r.alias_info is None for r in schema.returns),
             random=torch.Tag.nondeterministic_seeded in func.tags,
             collective=name.split(".", 1)[0] in _COLLECTIVE_NAMESPACES,
+            python_value=not all(_is_tensor_type(r.type) for r in schema.returns),
         )
         _CACHE[func] = info
     return info
+
+
+def _is_tensor_type(t) -> bool:
+    if isinstance(t, torch._C.TensorType):
+        return True
+    if isinstance(t, (torch._C.ListType, torch._C.OptionalType)):
+        return _is_tensor_type(t.getElementType())
+    return False
 
 
 def arg_values(func, args, kwargs):

@@ -157,6 +157,7 @@ class Planning:
                     offload=sorted(offloaded),
                     protect={k: list(v) for k, v in sorted(unit.protect.items())},
                     input_shapes=[list(s) for s in unit.input_shapes],
+                    skip=sorted(self.sim.skip_of(ui, saved)),
                 )
             )
         keys = self._op_keys()

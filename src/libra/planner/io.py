@@ -29,9 +29,9 @@ _PLAN_FIELDS = {
     "planner_seconds": float,
     "input_signature": list,
 }
-_OPTIONAL = {"input_signature"}  # added after schema 1 was first written; absent means "not recorded"
+_OPTIONAL = {"input_signature", "skip"}  # added after schema 1 was first written; absent means "not recorded"
 _REGION_FIELDS = {"module": str, "call": int, "ops": list, "save": list, "offload": list, "protect": dict,
-                  "input_shapes": list}
+                  "input_shapes": list, "skip": list}
 _NON_NEGATIVE = {"budget_bytes", "predicted_peak_bytes", "eager_peak_bytes", "static_bytes", "predicted_step_seconds",
                  "eager_step_seconds", "planner_seconds"}
 
@@ -57,6 +57,7 @@ def plan_to_dict(plan: Plan) -> dict:
                 "offload": list(r.offload),
                 "protect": {str(k): list(v) for k, v in r.protect.items()},
                 "input_shapes": [list(s) for s in r.input_shapes],
+                "skip": list(r.skip),
             }
             for r in plan.regions
         ],
@@ -136,8 +137,11 @@ def plan_from_dict(data: dict, path="<dict>") -> Plan:
                 raise _fail(path, f"{where}.protect has an invalid entry {k!r}: {names!r}")
             protect[int(k)] = list(names)
         shapes = [_int_list(s, f"{where}.input_shapes", path) for s in r["input_shapes"]]
+        skip = _int_list(r.get("skip", []), f"{where}.skip", path)
+        if any(j >= len(r["ops"]) for j in skip) or set(skip) & set(save):
+            raise _fail(path, f"{where}.skip names an op beyond the region's ops or one it saves")
         regions.append(RegionPlan(module=r["module"], call=r["call"], ops=list(r["ops"]), save=save,
-                                  offload=offload, protect=protect, input_shapes=shapes))
+                                  offload=offload, protect=protect, input_shapes=shapes, skip=skip))
     parameters = []
     for entry in data["parameters"]:
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[2], str)):

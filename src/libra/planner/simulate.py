@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from libra.planner.regions import Unit
+from libra.planner.replay import replay_skip
 from libra.profiler.types import Profile
 
 __all__ = ["Simulator", "SimResult", "State", "kept_split"]
@@ -114,6 +115,7 @@ class Simulator:
         self._free = self.free.tolist()
         self._python_end = self.python_end.tolist()
         self._op_time = self.op_time.tolist()
+        self._skips: dict[tuple[int, frozenset[int]], set[int]] = {}
         # per instance: local op -> positions (into inst.sids) of the storages it allocates
         self._outputs_of: list[list[dict[int, list[int]]]] = []
         for unit in units:
@@ -239,8 +241,9 @@ class Simulator:
         inst = unit.instances[ii]
         span = inst.stop - inst.start
         k_inst = len(unit.instances)
+        skip = self.skip_of(ui, saved)
         for local in range(span):
-            if local not in saved:
+            if local not in saved and local not in skip:
                 seconds.add(unit.op_seconds[local] / k_inst)
         seconds.add(span * self.per_op)
 
@@ -271,6 +274,14 @@ class Simulator:
                 offloads.append((inst.t_r, secs))
             base.add((inst.end - inst.start) * self.per_op + REGION_OVERHEAD_SECONDS)
         return base.total, lane.total, offloads
+
+    def skip_of(self, ui: int, saved: set[int]) -> set[int]:
+        """Ops of unit ``ui`` its replays need not run when ``saved`` are kept (planner/replay.py), cached."""
+        key = (ui, frozenset(saved))
+        skip = self._skips.get(key)
+        if skip is None:
+            skip = self._skips[key] = replay_skip(self.profile, self.units[ui], set(saved))
+        return skip
 
     def changes(self, state: State) -> tuple[np.ndarray, np.ndarray, float]:
         """The plan's changes to eager's live-bytes curve as a sparse difference array, and the added seconds.

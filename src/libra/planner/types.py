@@ -31,6 +31,9 @@ class RegionPlan:
         protect: local index -> names of arguments written to module state (BatchNorm running stats,
             ``num_batches_tracked``); the replay writes to private copies so the state is updated exactly once.
         input_shapes: shapes of the tensor arguments when profiled; other shapes run the module plainly.
+        skip: local indices of ops the replay does not run, because nothing backward needs from the replay depends
+            on them (NOTE [Dead ops in a replay], runtime/region.py); they return uninitialized tensors of the
+            shapes the forward saw. Never in ``save``.
     """
 
     module: str
@@ -40,6 +43,7 @@ class RegionPlan:
     offload: list[int] = field(default_factory=list)
     protect: dict[int, list[str]] = field(default_factory=dict)
     input_shapes: list[list[int]] = field(default_factory=list)
+    skip: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -134,12 +134,15 @@ class Recorder(TorchDispatchMode):
                 undeclared.append(name)
                 writes.append(sid)
         outputs: list[int] = []
+        returned: list[int] = []
         n_known = len(self.storages)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 sid = self._register(t, index, index, False)
                 if sid >= n_known and sid not in outputs:
                     outputs.append(sid)
+                if sid >= 0 and sid not in returned:
+                    returned.append(sid)
         self.ops.append(
             OpRecord(
                 name=info.name,
@@ -152,6 +155,8 @@ class Recorder(TorchDispatchMode):
                 undeclared_writes=undeclared,
                 random=info.random,
                 collective=info.collective,
+                returned=returned,
+                python_value=info.python_value,
             )
         )
         self.bookkeeping_ns += time.perf_counter_ns() - t_enter - (t1 - t0)

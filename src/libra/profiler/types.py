@@ -28,6 +28,8 @@ class OpRecord:
     undeclared_writes: list[str]  # argument names mutated without the schema saying so (BatchNorm running stats)
     random: bool = False  # torch.Tag.nondeterministic_seeded
     collective: bool = False
+    returned: list[int] | None = None  # storage ids of every returned tensor, fresh or a view (None: not recorded)
+    python_value: bool = False  # returns a number or bool Python can branch on (``.item()``): always replayed
 
 
 @dataclass

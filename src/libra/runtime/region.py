@@ -11,6 +11,16 @@ NOTE [Region executor contract]
   ``num_batches_tracked``) write to private copies. Replayed random ops see the generator exactly as in forward:
   checkpoint restores the state at region start, and after a cached random op the state it left is restored.
 - A replay that dispatches another op than the forward did raises instead of returning a wrong value.
+
+NOTE [Dead ops in a replay]
+A replay reruns the module's Python forward, so every op is dispatched again, but backward needs only the saved
+tensors the plan recomputes and what they are computed from. The planner lists the other ops in
+``RegionPlan.skip``. A skipped op does not run: it returns uninitialized tensors with the shapes, strides and dtypes
+the forward saw (in-place and ``out=`` ops return the tensor they would have written), so the Python code around it
+goes on as before, and only ops that nothing needed reads are left out. Autograd still records and saves around
+them as it always does in a replay (autograd sits above this mode), so checkpoint matches saved tensors in the same
+order. A skipped random op leaves the generator as the forward left it. Ops whose results Python can read
+(``.item()``, non-tensor returns) are never skipped (``planner/replay.py``).
 """
 
 from __future__ import annotations
@@ -110,6 +120,8 @@ class RegionRun:
         self.debug = debug_enabled()
         self.forward = forward
         self.save = set(region.save)
+        self.skip = set(region.skip)
+        self.skipped_meta: dict[int, object] = {}  # local op index -> output (shape, stride, dtype, device) tree
         self.offload = set(region.offload) if offload is not None else set()
         self.offload_ctx = offload
         self.funcs: list[object] = []  # ops the forward dispatched, in order
@@ -253,6 +265,10 @@ class _ForwardMode(_RegionMode):
             r.keep(index, out)
             if info.random:
                 r.rng_after[index] = _generator_state(args, kwargs)
+        elif r.following and index in r.skip:
+            r.skipped_meta[index] = tree_map_only(torch.Tensor, _Shape, out)
+            if info.random:
+                r.rng_after[index] = _generator_state(args, kwargs)
         if r.debug:
             log.debug("libra: %s[%d] forward op %d %s: %s", r.region.module, r.region.call, index, info.name,
                       ("offloaded" if index in r.offload and r.following else "saved") if kept else "recomputed later")
@@ -272,11 +288,16 @@ class _ReplayMode(_RegionMode):
                 "or make its control flow depend only on its inputs."
             )
         cached = r.cache.get(index)
+        skipped = r.following and index in r.skipped_meta  # after a divergence everything not kept reruns
         if cached is not None:
             r.check_versions(index)
             if index in r.rng_after:
                 _restore_generators(r.rng_after[index])
             out = tree_map_only(torch.Tensor, lambda t: t.detach(), _on_device(r, cached))
+        elif skipped:  # NOTE [Dead ops in a replay]
+            if index in r.rng_after:
+                _restore_generators(r.rng_after[index])
+            out = _placeholder(func, args, kwargs, r.skipped_meta[index])
         else:
             names = set(r.region.protect.get(index, ())) if index < r.diverged_at else set()
             info = op_info(func)
@@ -288,7 +309,7 @@ class _ReplayMode(_RegionMode):
             out = func(*args, **kwargs)
         if r.debug:
             log.debug("libra: %s[%d] replay op %d %s: %s", r.region.module, r.region.call, index, func,
-                      "from the cache" if cached is not None else "recomputed")
+                      "from the cache" if cached is not None else "skipped" if skipped else "recomputed")
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 r.replay_storages.add(storage_key(t))
@@ -305,6 +326,29 @@ def _on_device(r: RegionRun, cached):
         return t
 
     return tree_map_only(HostCopy, back, cached)
+
+
+class _Shape:
+    """Shape, strides, dtype and device of one output of a skipped op (a leaf for pytree, unlike a tuple)."""
+
+    __slots__ = ("size", "stride", "dtype", "device")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.size, self.stride, self.dtype, self.device = tuple(t.shape), tuple(t.stride()), t.dtype, t.device
+
+    def empty(self) -> torch.Tensor:
+        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+
+
+def _placeholder(func, args, kwargs, meta):
+    """What a skipped op returns: the tensor an in-place or ``out=`` op writes, else uninitialized tensors shaped
+    like the forward's outputs."""
+    info = op_info(func)
+    if info.write_args:
+        for name, value in arg_values(func, args, kwargs):
+            if name == info.write_args[0]:
+                return value
+    return tree_map_only(_Shape, _Shape.empty, meta)
 
 
 def _private_copies(func, args, kwargs, names):

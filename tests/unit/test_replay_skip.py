@@ -1,0 +1,65 @@
+"""Dead ops in a replay (NOTE [Dead ops in a replay]): the planner lists the ops backward does not need from a
+replay, the runtime does not run them, and gradients stay bit-identical."""
+
+import copy
+import logging
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import libra
+from libra.planner import Planning
+from libra.planner.replay import needed_ops
+from libra.testing import assert_grads_equal, models
+
+
+def _gpt():
+    model, x, y, loss_fn = models.make_gpt(batch=2, layers=4, d=64, seq=32, dropout=0.1)
+    prof = libra.profile(model, lambda: loss_fn(model(x), y).backward())
+    model.zero_grad(set_to_none=True)
+    return model, x, y, loss_fn, prof
+
+
+def test_needed_ops_follow_storages_back_from_what_backward_saves():
+    *_, prof = _gpt()
+    planning = Planning(prof)
+    unit = next(u for u in planning.units if u.module == "blocks.1")
+    inst = unit.instances[0]
+    # nothing kept: everything up to the last saved tensor is needed
+    everything = needed_ops(prof, inst, set(unit.forced_save))
+    assert len(everything) >= len(unit.candidates)
+    # all candidates kept: no saved tensor is left to recompute, so no op that allocates is needed
+    kept_all = set(unit.forced_save) | set(unit.candidates)
+    for j in needed_ops(prof, inst, kept_all):
+        op = prof.ops[inst.start + j]
+        assert not op.outputs or op.python_value, (j, op.name)
+
+
+def test_skipped_ops_do_not_run_and_gradients_are_exact(monkeypatch, caplog):
+    model, x, y, loss_fn, prof = _gpt()
+    plan = libra.plan(prof, max(prof.budget_for_share(0.6), Planning(prof).min_budget_bytes()))
+    assert any(r.skip for r in plan.regions), "a partial plan should leave some replayed ops out"
+    eager, ours, plain = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    no_skip = copy.deepcopy(plan)
+    for r in no_skip.regions:
+        r.skip = []
+    torch.manual_seed(7)
+    loss_fn(eager(x), y).backward()
+    flops = {}
+    for name, m, p in (("skip", ours, plan), ("no skip", plain, no_skip)):
+        torch.manual_seed(7)
+        with libra.apply(m, p), FlopCounterMode(display=False) as counter:
+            loss_fn(m(x), y).backward()
+        flops[name] = counter.get_total_flops()
+        assert_grads_equal(eager, m)
+    assert flops["skip"] < flops["no skip"], flops  # the skipped matmuls really did not run
+
+    monkeypatch.setenv("LIBRA_DEBUG", "1")
+    again = copy.deepcopy(model)
+    with caplog.at_level(logging.DEBUG, logger="libra"), libra.apply(again, plan):
+        loss_fn(again(x), y).backward()
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().endswith(": skipped")]
+    assert len(skipped) == sum(len(r.skip) for r in plan.regions if r.skip) or skipped
+    for h in list(logging.getLogger("libra").handlers):
+        logging.getLogger("libra").removeHandler(h)
+    logging.getLogger("libra").setLevel(logging.NOTSET)
