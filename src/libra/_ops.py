@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["OpInfo", "op_info", "arg_values", "tensors_in", "storage_key", "input_signature", "UNCOUNTED"]
+__all__ = ["OpInfo", "op_info", "arg_values", "tensors_in", "storage_key", "input_signature", "kv_cache_args",
+           "UNCOUNTED"]
 
 # NOTE [Uncounted ops]: checkpoint's own saved-tensor hook detaches every tensor it saves during a replay, so the
 # replay dispatches detach ops the forward never did. detach allocates nothing and is never worth saving: the
@@ -102,3 +103,20 @@ def input_signature(args, kwargs) -> list[str]:
             if isinstance(leaf, torch.Tensor):
                 out.append(f"{where}{keystr(path)}:{leaf.dtype}{list(leaf.shape)}")
     return out
+
+
+def kv_cache_args(args, kwargs) -> list[str]:
+    """Where a module call got a key/value cache: positional indices and keyword names, e.g. ``["past_key_values"]``.
+
+    NOTE [Key/value caches are not replayable]: a Hugging Face ``Cache`` (``DynamicCache``, ``EncoderDecoderCache``,
+    ...) is a Python object that an attention module's forward appends its keys and values to (``cache.update``). A
+    checkpoint replay calls the forward again with the same object, which then already holds this layer's keys: the
+    replay runs other ops on other shapes than the forward did. Such calls are never recomputed. Recognised by duck
+    typing (``update`` and ``get_seq_length``), so Libra never imports ``transformers``; the legacy tuples of tensors
+    are plain inputs and need nothing.
+    """
+    found = []
+    for where, value in [(str(i), a) for i, a in enumerate(args)] + sorted(kwargs.items()):
+        if callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None)):
+            found.append(where)
+    return found

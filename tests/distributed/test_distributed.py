@@ -4,9 +4,8 @@ Each test starts two ranks (``dist_workers.main``), which train an eager copy an
 side, each rank under its own plan (NOTE [One plan per rank] in dist_workers.py), and write their results to
 ``tmp_path``. Here they are checked: gradients, losses and parameters after SGD steps ``torch.equal`` to the same
 distributed run without Libra (NOTE [Distributed oracle]); every Libra step issues exactly the eager step's
-collectives while replaying other ops (NOTE [Counting collectives]); the plans recompute something. One case is
-xfailed: blocks whose forward runs an FSDP2 all-gather are correctly never replayed, but the planner does not look
-inside them for smaller regions, so that plan saves nothing.
+collectives while replaying other ops (NOTE [Counting collectives]); the plans recompute something. Blocks whose
+forward runs an FSDP2 all-gather are never replayed; the planner splits them and recomputes inside (their attention).
 """
 
 import json
@@ -163,9 +162,5 @@ def test_fsdp2_allgather_inside_block_forward_is_never_replayed(run):
 
 
 @needs_fsdp2
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "planner: a module call whose forward runs a collective is rejected whole (regions.analyse) after "
-    "_select_calls chose it as a region, and is never split into its children, so nothing inside these blocks "
-    "(their attention) is recomputed and the plan saves nothing; proposed fix: /tmp/distributed_fix.patch"))
 def test_fsdp2_recomputes_inside_blocks_whose_forward_allgathers(run):
     check("fsdp_gpt_fc", run("fsdp_gpt_fc"), FSDP_COLLECTIVES)

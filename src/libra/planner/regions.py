@@ -96,8 +96,13 @@ def _select_calls(profile: Profile, fwd_ops: int) -> list[int]:
         big = [k for k in children if size(k) >= max(8, total / 8)]
         return len(big) >= 2 and sum(size(k) for k in children) >= 0.8 * total
 
+    def collective(i: int) -> bool:
+        # NOTE [Collectives split a call]: a call whose forward runs a collective (an FSDP2-sharded submodule's
+        # all-gather, a synced statistic) is never replayed; its children may still be, so it is split.
+        return any(o.collective for o in profile.ops[calls[i].start_op:min(calls[i].end_op, fwd_ops)])
+
     def visit(i: int) -> None:
-        if container(i):
+        if container(i) or (kids.get(i) and collective(i)):
             for k in kids[i]:
                 visit(k)
         elif size(i) > 0:
@@ -154,6 +159,9 @@ def analyse(profile: Profile) -> tuple[list[Unit], dict[int, str]]:
         c = calls[ci]
         a, b = c.start_op, c.end_op
         reason = ""
+        if c.kv_cache_args:  # NOTE [Key/value caches are not replayable] in _ops.py
+            reason = (f"it is passed a key/value cache ({', '.join(c.kv_cache_args)}) that its forward appends to, "
+                      "and a replay would append again; pass use_cache=False when training")
         produced = [s for i in range(a, b) for s in ops[i].outputs]
         produced_set = set(produced)
         external = sorted({s for i in range(a, b) for s in ops[i].inputs} - produced_set)

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from libra._forward import ForwardSwaps
-from libra._ops import UNCOUNTED, arg_values, input_signature, op_info, storage_key, tensors_in
+from libra._ops import UNCOUNTED, arg_values, input_signature, kv_cache_args, op_info, storage_key, tensors_in
 from libra.profiler.types import ModuleCall, OpRecord, PackRecord, StorageRecord
 
 __all__ = ["Recorder", "ModuleProbes", "static_tensors", "dispatch_overhead_seconds"]
@@ -245,6 +245,7 @@ class ModuleProbes:
             end_op=-1,
             depth=len(rec.module_stack) - 1,
             input_shapes=[list(a.shape) for a in args if isinstance(a, torch.Tensor)],
+            kv_cache_args=kv_cache_args(args, kwargs or {}),
         )
         rec.call_stack.append(len(self.calls))
         self.calls.append(record)

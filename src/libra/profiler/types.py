@@ -66,6 +66,7 @@ class ModuleCall:
     depth: int
     parent: int = -1  # index of the enclosing module call, -1 for a root call
     input_shapes: list[list[int]] = field(default_factory=list)
+    kv_cache_args: list[str] = field(default_factory=list)  # NOTE [Key/value caches are not replayable]
 
 
 @dataclass

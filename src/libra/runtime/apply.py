@@ -16,7 +16,7 @@ from libra._forward import ForwardSwaps
 from libra.errors import BudgetInfeasibleError, LibraError, PlanMismatchError
 from libra.planner import plan as make_plan
 from libra.planner.types import Decision, Plan, RegionPlan
-from libra._ops import input_signature
+from libra._ops import input_signature, kv_cache_args
 from libra.profiler import StepRecording, model_signature
 from libra.runtime.region import OffloadContext, RegionRun, debug_enabled
 from libra.units import format_bytes
@@ -73,6 +73,16 @@ class _RegionForward:
                 self.fqn,
                 shapes,
                 region.input_shapes,
+            )
+            return self.forward(*args, **kwargs)
+        caches = kv_cache_args(args, kwargs)
+        if caches:  # NOTE [Key/value caches are not replayable] in _ops.py
+            self.session.note_once(
+                ("kv_cache", self.fqn),
+                "libra: %r got a key/value cache (%s), which a replay would append to again; running it without "
+                "recompute. Pass use_cache=False when training to save memory there.",
+                self.fqn,
+                ", ".join(caches),
             )
             return self.forward(*args, **kwargs)
         run = RegionRun(region, self.forward, self.session.offload, note=self.session.note_once)
