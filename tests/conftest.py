@@ -79,3 +79,14 @@ def case(request):
     c = _CASES[request.param]
     c.reset()
     return c
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests (``pytestmark = pytest.mark.usefixtures("one_thread")``): on a shared
+    2-core machine OpenMP's spinning makes tiny models several times slower, and eager/Libra comparisons do not
+    depend on the thread count (both copies run with the same one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -25,20 +25,13 @@ import torch.nn.functional as F
 import awkward_models as am
 import libra
 from libra.planner import Planning
-from libra.testing import LiveBytesMeter, assert_grads_equal
+from libra.testing import LiveBytesMeter, assert_grads_equal, fixed_times
 
 RECOMPUTE = libra.Decision.RECOMPUTE
 STEPS = 3  # training steps after the profiled one
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine OpenMP's spinning makes these tiny models 5x slower, and the
-    eager/Libra comparison does not depend on the thread count (both copies run with the same one)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- inputs and steps ---------------------------------------------------------------------------------------------
@@ -77,14 +70,6 @@ class Result:
     ours: nn.Module
     meters: list = field(default_factory=list)  # (step, meter) of the Libra steps
 
-
-def fixed_times(prof: libra.Profile) -> libra.Profile:
-    """The profile with every op taking 10 µs: the plan then depends only on what the step allocated and saved."""
-    for op in prof.ops:
-        op.seconds = 1e-5
-    prof.dispatch_overhead_seconds = 1e-5
-    prof.eager_step_seconds = 1e-5 * len(prof.ops)
-    return prof
 
 
 def replayed_ops(plan: libra.Plan) -> set[str]:

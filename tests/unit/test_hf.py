@@ -22,18 +22,12 @@ transformers = pytest.importorskip("transformers")
 
 import libra  # noqa: E402
 from libra.planner import Planning  # noqa: E402
-from libra.testing import LiveBytesMeter, assert_grads_equal  # noqa: E402
+from libra.testing import LiveBytesMeter, assert_grads_equal, fixed_times  # noqa: E402
 
 VOCAB, SEQ, BATCH, STEPS = 1000, 64, 2, 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread, as in test_awkward.py: both copies run with the same one, and it is faster on 2 cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def gpt2(attn: str, use_cache: bool) -> torch.nn.Module:
@@ -63,14 +57,6 @@ def batch(padded: bool) -> dict[str, torch.Tensor]:
     ids = ids.masked_fill(mask == 0, 0)
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
-
-def fixed_times(prof: libra.Profile) -> libra.Profile:
-    """Every op takes 10 µs (as in test_awkward.py): the plan depends only on what the step allocated and saved."""
-    for op in prof.ops:
-        op.seconds = 1e-5
-    prof.dispatch_overhead_seconds = 1e-5
-    prof.eager_step_seconds = 1e-5 * len(prof.ops)
-    return prof
 
 
 def replayed_ops(plan: libra.Plan, prefix: str) -> set[str]:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import libra
 from libra.planner import Planning
 from libra.runtime.apply import _ACTIVE_ATTR
-from libra.testing import LiveBytesMeter, assert_grads_equal
+from libra.testing import LiveBytesMeter, assert_grads_equal, fixed_times
 
 STEPS = 500
 MEASURED = (5, STEPS)  # steps whose memory is compared
@@ -28,13 +28,7 @@ D_IN, D, HIDDEN, CLASSES, BATCH = 16, 32, 128, 10, 64
 FAST = 1e13  # bytes per second: offloading is nearly free, so the plan offloads what hides behind compute
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: OpenMP spinning on a shared 2-core machine makes tiny models several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Block(nn.Module):
@@ -66,14 +60,6 @@ class Net(nn.Module):
             h = block(h)
         return self.head(h)
 
-
-def fixed_times(prof: libra.Profile) -> libra.Profile:
-    """Every op 10 µs: the plan then depends on bytes only, not on this machine's timings."""
-    for op in prof.ops:
-        op.seconds = 1e-5
-    prof.dispatch_overhead_seconds = 1e-5
-    prof.eager_step_seconds = 1e-5 * len(prof.ops)
-    return prof
 
 
 def storage_census() -> tuple[int, int]:

@@ -23,12 +23,7 @@ RECOMPUTE = libra.Decision.RECOMPUTE
 NEW_INPUTS = "differ from the planned"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tokens(batch: int, seq: int, seed: int):

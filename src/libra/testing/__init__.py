@@ -6,7 +6,7 @@ import torch
 
 from libra.testing.meter import LiveBytesMeter
 
-__all__ = ["LiveBytesMeter", "assert_grads_equal"]
+__all__ = ["LiveBytesMeter", "assert_grads_equal", "fixed_times"]
 
 
 def assert_grads_equal(expected: torch.nn.Module, actual: torch.nn.Module) -> None:
@@ -29,3 +29,16 @@ def assert_grads_equal(expected: torch.nn.Module, actual: torch.nn.Module) -> No
         if not torch.equal(a, b):
             diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else "shape differs"
             raise AssertionError(f"{name} differs from eager (max abs difference {diff})")
+
+
+def fixed_times(profile, seconds: float = 1e-5):
+    """The profile with every op taking ``seconds`` (and the dispatch overhead too), in place; returns it.
+
+    The greedy ranks moves by bytes per second, so measured times make the plan, and with it a test's outcome, differ
+    from run to run on a shared machine; with fixed times the plan depends only on what the step allocated and saved.
+    """
+    for op in profile.ops:
+        op.seconds = seconds
+    profile.dispatch_overhead_seconds = seconds
+    profile.eager_step_seconds = seconds * len(profile.ops)
+    return profile
