@@ -68,6 +68,42 @@ def _restore_generators(states) -> None:
             torch.cuda.set_rng_state(state, gen)
 
 
+def _leaves(out) -> list:
+    """The tensors in an op's output. NOTE [Op outputs]: at the dispatch level an aten op returns a tensor, a plain
+    tuple or list of tensors (``None`` for undefined ones), or a Python value; pytree's general walk costs several
+    microseconds per op, which these few lines avoid (tuple subclasses still take pytree's way)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if type(out) is tuple or type(out) is list:
+        found = []
+        for x in out:
+            if isinstance(x, torch.Tensor):
+                found.append(x)
+            elif isinstance(x, (tuple, list)):
+                found.extend(_leaves(x))
+        return found
+    if isinstance(out, (tuple, list, dict)):
+        return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _map_only(cls, fn, out):
+    """``tree_map_only(cls, fn, out)`` for op outputs (NOTE [Op outputs])."""
+    if isinstance(out, cls):
+        return fn(out)
+    if type(out) is tuple:
+        return tuple(_map_only(cls, fn, x) for x in out)
+    if type(out) is list:
+        return [_map_only(cls, fn, x) for x in out]
+    if isinstance(out, (tuple, list, dict)):
+        return tree_map_only(cls, fn, out)
+    return out
+
+
+def _detach(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()
+
+
 _INTERNAL = threading.local()
 
 
@@ -165,15 +201,13 @@ class RegionRun:
         """Starts bringing this call's offloaded outputs back to the device."""
         stream = self.offload_ctx.stream if self.offload_ctx is not None else None
         for out in self.cache.values():
-            for leaf in tree_leaves(out, is_leaf=lambda x: isinstance(x, HostCopy)):
-                if isinstance(leaf, HostCopy):
-                    leaf.prefetch(stream)
+            _map_only(HostCopy, lambda h: h.prefetch(stream), out)
 
     # ---- forward ------------------------------------------------------------------------------------------
     def keep(self, index: int, out) -> None:
         if index in self.offload and self.following:
             ctx = self.offload_ctx
-            self.cache[index] = tree_map_only(torch.Tensor, lambda t: HostCopy(t, ctx.pool, ctx.stream), out)
+            self.cache[index] = _map_only(torch.Tensor, lambda t: HostCopy(t, ctx.pool, ctx.stream), out)
             return
 
         def detach(t: torch.Tensor) -> torch.Tensor:
@@ -182,16 +216,16 @@ class RegionRun:
                 self.cached_by_storage.setdefault(key, []).append(index)
             return t.detach()
 
-        self.cache[index] = tree_map_only(torch.Tensor, detach, out)
+        self.cache[index] = _map_only(torch.Tensor, detach, out)
         self._note_versions(index)
 
     def _note_versions(self, index: int) -> None:
-        self.versions[index] = [t._version for t in tree_leaves(self.cache[index]) if isinstance(t, torch.Tensor)]
+        self.versions[index] = [t._version for t in _leaves(self.cache[index])]
 
     def check_versions(self, index: int) -> None:
         """A cached alias changed in place outside the region (where copy-on-write cannot see it) would replay
         the changed value: refuse loudly rather than return a wrong gradient."""
-        now = [t._version for t in tree_leaves(self.cache[index]) if isinstance(t, torch.Tensor)]
+        now = [t._version for t in _leaves(self.cache[index])]
         if now != self.versions.get(index, now):
             raise LibraError(
                 f"libra.apply: an output of op {index} ({self.region.ops[index] if index < len(self.region.ops) else '?'}) "
@@ -208,7 +242,7 @@ class RegionRun:
             for t in tensors_in(value):
                 key = storage_key(t)
                 for index in self.cached_by_storage.pop(key, ()):
-                    self.cache[index] = tree_map_only(
+                    self.cache[index] = _map_only(
                         torch.Tensor, lambda c: c.clone() if storage_key(c) == key else c, self.cache[index]
                     )
                     self._note_versions(index)
@@ -266,7 +300,7 @@ class _ForwardMode(_RegionMode):
             if info.random:
                 r.rng_after[index] = _generator_state(args, kwargs)
         elif r.following and index in r.skip:
-            r.skipped_meta[index] = tree_map_only(torch.Tensor, _Shape, out)
+            r.skipped_meta[index] = _map_only(torch.Tensor, _Shape, out)
             if info.random:
                 r.rng_after[index] = _generator_state(args, kwargs)
         if r.debug:
@@ -293,7 +327,7 @@ class _ReplayMode(_RegionMode):
             r.check_versions(index)
             if index in r.rng_after:
                 _restore_generators(r.rng_after[index])
-            out = tree_map_only(torch.Tensor, lambda t: t.detach(), _on_device(r, cached))
+            out = _map_only(torch.Tensor, _detach, _on_device(r, cached) if r.offload else cached)
         elif skipped:  # NOTE [Dead ops in a replay]
             if index in r.rng_after:
                 _restore_generators(r.rng_after[index])
@@ -301,18 +335,20 @@ class _ReplayMode(_RegionMode):
         else:
             names = set(r.region.protect.get(index, ())) if index < r.diverged_at else set()
             info = op_info(func)
-            for name, value in arg_values(func, args, kwargs):
-                if name in info.write_args and any(storage_key(t) not in r.replay_storages for t in tensors_in(value)):
-                    names.add(name)
+            if info.write_args:
+                for name, value in arg_values(func, args, kwargs):
+                    if name in info.write_args and any(
+                        storage_key(t) not in r.replay_storages for t in tensors_in(value)
+                    ):
+                        names.add(name)
             if names:
                 args, kwargs = _private_copies(func, args, kwargs, names)
             out = func(*args, **kwargs)
         if r.debug:
             log.debug("libra: %s[%d] replay op %d %s: %s", r.region.module, r.region.call, index, func,
                       "from the cache" if cached is not None else "skipped" if skipped else "recomputed")
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                r.replay_storages.add(storage_key(t))
+        for t in _leaves(out):
+            r.replay_storages.add(storage_key(t))
         return out
 
 
@@ -325,7 +361,7 @@ def _on_device(r: RegionRun, cached):
             h.close()
         return t
 
-    return tree_map_only(HostCopy, back, cached)
+    return _map_only(HostCopy, back, cached)
 
 
 class _Shape:
@@ -348,7 +384,7 @@ def _placeholder(func, args, kwargs, meta):
         for name, value in arg_values(func, args, kwargs):
             if name == info.write_args[0]:
                 return value
-    return tree_map_only(_Shape, _Shape.empty, meta)
+    return _map_only(_Shape, _Shape.empty, meta)
 
 
 def _private_copies(func, args, kwargs, names):
