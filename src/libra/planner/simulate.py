@@ -106,7 +106,16 @@ class Simulator:
             for ii, inst in enumerate(unit.instances):
                 for pi in inst.packs:
                     self.pack_owner[pi] = (ui, ii)
-        self.per_op = MODE_OVERHEAD_FACTOR * profile.dispatch_overhead_seconds
+        # NOTE [Region overhead] in runtime/calibrate.py: measured by the profiler; older and synthetic profiles
+        # fall back to a multiple of the do-nothing dispatch mode's cost
+        measured = getattr(profile, "region_forward_op_seconds", 0.0) or getattr(profile, "region_replay_op_seconds", 0.0)
+        if measured:
+            self.per_op = profile.region_forward_op_seconds
+            self.per_replay_op = profile.region_replay_op_seconds
+            self.per_call = profile.region_call_seconds
+        else:
+            self.per_op = self.per_replay_op = MODE_OVERHEAD_FACTOR * profile.dispatch_overhead_seconds
+            self.per_call = REGION_OVERHEAD_SECONDS
         self._recent: dict[tuple, tuple[np.ndarray, float]] = {}
         self._unit_times: dict[tuple[int, frozenset[int]], tuple] = {}
         # plain-Python copies for the per-storage loops (numpy scalar indexing is slow)
@@ -192,7 +201,7 @@ class Simulator:
                     holders.setdefault(s, []).append(last)
                 if inst.t_r >= 0:
                     self._replay(ui, ii, saved, bursts, base)
-                base.add((inst.end - inst.start) * self.per_op + REGION_OVERHEAD_SECONDS)
+                base.add((inst.end - inst.start) * self.per_op + self.per_call)
         intervals: dict[int, tuple[int, int]] = {}
         for s in touched:
             a = self._alloc[s]
@@ -245,7 +254,7 @@ class Simulator:
         for local in range(span):
             if local not in saved and local not in skip:
                 seconds.add(unit.op_seconds[local] / k_inst)
-        seconds.add(span * self.per_op)
+        seconds.add(span * self.per_replay_op)
 
     def _unit_time(self, ui: int, cached: frozenset[int]):
         """The terms of the added seconds that unit ``ui`` with ``cached`` kept contributes on its own, exactly as
@@ -272,7 +281,7 @@ class Simulator:
             if inst.t_r >= 0:
                 self._replay_seconds(ui, ii, saved, base)
                 offloads.append((inst.t_r, secs))
-            base.add((inst.end - inst.start) * self.per_op + REGION_OVERHEAD_SECONDS)
+            base.add((inst.end - inst.start) * self.per_op + self.per_call)
         return base.total, lane.total, offloads
 
     def skip_of(self, ui: int, saved: set[int]) -> set[int]:

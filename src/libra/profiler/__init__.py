@@ -100,6 +100,14 @@ class StepRecording:
 
     def start(self) -> None:
         self.overhead = dispatch_overhead_seconds()
+        from libra.runtime.calibrate import RegionCosts, cached_region_costs, region_costs  # runtime imports us
+
+        # measured before recording (its ops are not the step's); inside a live step (apply's re-profiling, which
+        # measured them when it began) only read, 0 (the planner's fallback) if this thread count was not measured
+        if self.root_entered:
+            self.region_costs = cached_region_costs(self.device) or RegionCosts((0.0, 0.0, 0.0))
+        else:
+            self.region_costs = region_costs(self.device)
         buffer_keys = {storage_key(b) for b in self.model.buffers()}
         self.recorder = Recorder(self.device, buffer_keys)
         self.recorder.register_static(static_tensors(self.model, self.device))
@@ -203,6 +211,9 @@ class StepRecording:
             parameters=model_signature(self.model),
             input_signature=probes.input_signature,
             torch_version=torch.__version__,
+            region_forward_op_seconds=self.region_costs.forward_op,
+            region_replay_op_seconds=self.region_costs.replay_op,
+            region_call_seconds=self.region_costs.call,
         )
         log.info(
             "profiled one step: %d ops, %d saved tensors, eager peak %s (static %s), %.1f ms",
