@@ -9,6 +9,7 @@ import pytest
 import libra
 from libra.planner import Planning
 from libra.planner.simulate import MODE_OVERHEAD_FACTOR, REGION_OVERHEAD_SECONDS, Simulator
+from libra.runtime import calibrate
 from libra.runtime.calibrate import cached_region_costs, region_costs
 from libra.testing import models
 
@@ -21,13 +22,16 @@ def mlp_profile():
     return libra.profile(model, lambda: loss_fn(model(x), y).backward())
 
 
-def test_costs_are_measured_once_and_carried_by_the_profile(mlp_profile):
-    costs = cached_region_costs("cpu")
-    assert costs is not None and costs is region_costs("cpu")  # measured by libra.profile, then cached
-    assert all(math.isfinite(c) and c >= 0 for c in costs)
-    assert costs.forward_op + costs.replay_op > 0  # a dispatch mode is never free
-    assert (mlp_profile.region_forward_op_seconds, mlp_profile.region_replay_op_seconds,
-            mlp_profile.region_call_seconds) == tuple(costs)
+def test_costs_are_measured_once_per_size_and_carried_by_the_profile(mlp_profile):
+    carried = (mlp_profile.region_forward_op_seconds, mlp_profile.region_replay_op_seconds,
+               mlp_profile.region_call_seconds)
+    assert carried in [tuple(c) for c in calibrate._CACHE.values()]  # measured by libra.profile
+    assert all(math.isfinite(c) and c >= 0 for c in carried)
+    assert carried[0] + carried[1] > 0  # a dispatch mode is never free
+    small = region_costs("cpu", 16 * 1024)
+    assert region_costs("cpu", 17 * 1024) is small  # the same power-of-two size: measured once
+    assert cached_region_costs("cpu", 20 * 1024) is small
+    assert cached_region_costs("cuda:7", 16 * 1024) is None  # never measured there; measures nothing
 
 
 def test_simulator_charges_the_measured_costs(mlp_profile):

@@ -100,14 +100,6 @@ class StepRecording:
 
     def start(self) -> None:
         self.overhead = dispatch_overhead_seconds()
-        from libra.runtime.calibrate import RegionCosts, cached_region_costs, region_costs  # runtime imports us
-
-        # measured before recording (its ops are not the step's); inside a live step (apply's re-profiling, which
-        # measured them when it began) only read, 0 (the planner's fallback) if this thread count was not measured
-        if self.root_entered:
-            self.region_costs = cached_region_costs(self.device) or RegionCosts((0.0, 0.0, 0.0))
-        else:
-            self.region_costs = region_costs(self.device)
         buffer_keys = {storage_key(b) for b in self.model.buffers()}
         self.recorder = Recorder(self.device, buffer_keys)
         self.recorder.register_static(static_tensors(self.model, self.device))
@@ -188,6 +180,19 @@ class StepRecording:
         """Stops recording and removes what can be removed now (see :meth:`release`); discards what was recorded."""
         self._exit()
 
+    def _region_costs(self, ops, storages):
+        """What the region executor costs on this device at the step's typical activation size (NOTE [Region
+        overhead] in runtime/calibrate.py), measured now that the step is over. A recording inside a live step
+        (finished from a backward callback) only reads what was measured before; all 0 (the planner's fallback)
+        if nothing was."""
+        from libra.runtime.calibrate import RegionCosts, cached_region_costs, region_costs  # runtime imports us
+
+        sizes = sorted(storages[s].nbytes for o in ops if not o.backward for s in o.outputs)
+        typical = sizes[len(sizes) // 2] if sizes else 0
+        if self.root_entered:
+            return cached_region_costs(self.device, typical) or RegionCosts((0.0, 0.0, 0.0))
+        return region_costs(self.device, typical)
+
     def finish(self) -> Profile:
         """Removes every hook and returns the profile of the recorded step."""
         self.stop()
@@ -195,6 +200,7 @@ class StepRecording:
         recorder, probes = self.recorder, self.probes
         ops = recorder.ops
         op_seconds = sum(o.seconds for o in ops)
+        costs = self._region_costs(ops, recorder.storages)
         eager_seconds = max(
             self._wall_ns / 1e9 - recorder.bookkeeping_ns / 1e9 - self.overhead * len(ops), op_seconds
         )
@@ -211,9 +217,9 @@ class StepRecording:
             parameters=model_signature(self.model),
             input_signature=probes.input_signature,
             torch_version=torch.__version__,
-            region_forward_op_seconds=self.region_costs.forward_op,
-            region_replay_op_seconds=self.region_costs.replay_op,
-            region_call_seconds=self.region_costs.call,
+            region_forward_op_seconds=costs.forward_op,
+            region_replay_op_seconds=costs.replay_op,
+            region_call_seconds=costs.call,
         )
         log.info(
             "profiled one step: %d ops, %d saved tensors, eager peak %s (static %s), %.1f ms",

@@ -18,7 +18,6 @@ from libra.planner import plan as make_plan
 from libra.planner.types import Decision, Plan, RegionPlan
 from libra._ops import input_signature, kv_cache_args
 from libra.profiler import StepRecording, model_signature
-from libra.runtime.calibrate import region_costs
 from libra.runtime.region import OffloadContext, RegionRun, debug_enabled
 from libra.units import format_bytes
 
@@ -143,8 +142,6 @@ class _Session:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.offload: OffloadContext | None = None
-        if replan:  # measured now, outside any step: a recording started inside a live step only reads it
-            region_costs(self.device)
         self._activate(plan)
 
     # ---- which plan runs ------------------------------------------------------------------------------------

@@ -8,12 +8,16 @@ a planner that costs regions by the latter checkpoints blocks that save little a
 measured. So the profiler measures it: a small block of the usual ops (layer norm, linear, GELU, scaling, residual
 add; no in-place ops, which a region that keeps everything would copy) run forward and backward eagerly and under a region whose every output is kept (nothing recomputed, so what
 remains is the executor's own cost), at depths 1 and 3 so that the per-op cost and checkpoint's fixed cost per call
-separate. The planner reads the figures from the profile (``Profile.region_forward_op_seconds`` and friends).
+separate. The cost grows with the tensors' size (measured per op, forward / replay: 18 / 21 us at 16 KiB,
+30 / 60 us at 512 KiB, 60 / 150 us at 2 MiB, one thread), so the block is sized like the profiled step: its
+activations have the median size of the step's forward outputs, rounded to a power of two (each size measured once
+per process). The planner reads the figures from the profile (``Profile.region_forward_op_seconds`` and friends).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -30,7 +34,8 @@ __all__ = ["RegionCosts", "region_costs", "cached_region_costs"]
 log = logging.getLogger("libra")
 
 _REPEATS = 4
-_WIDTH = 64
+_WIDTH = 256
+_MAX_ROWS = 2048  # 2 MiB activations at most: larger ones cost the calibration more than they tell
 
 
 class RegionCosts(tuple):
@@ -90,11 +95,11 @@ def _best(fn, sync) -> float:
     return best
 
 
-def _measure(depth: int, device: torch.device, sync) -> tuple[int, float, float]:
+def _measure(depth: int, rows: int, device: torch.device, sync) -> tuple[int, float, float]:
     """(ops, added forward seconds, added forward + backward seconds) of one region call of a block."""
     torch.manual_seed(0)
     block = _Block(depth).to(device)
-    x = torch.randn(4, 16, _WIDTH, device=device, requires_grad=True)
+    x = torch.randn(rows, _WIDTH, device=device, requires_grad=True)
     names = _op_names(block, x)
     keep_all = RegionPlan("calibration", 0, names, save=list(range(len(names))))
 
@@ -123,34 +128,47 @@ def _measure(depth: int, device: torch.device, sync) -> tuple[int, float, float]
     return len(names), times[region_fwd] - times[eager_fwd], times[region_step] - times[eager_step]
 
 
-_CACHE: dict[tuple[str, int], RegionCosts] = {}
+_CACHE: dict[tuple[str, int, int], RegionCosts] = {}
 
 
-def cached_region_costs(device: torch.device | str) -> RegionCosts | None:
-    """The costs :func:`region_costs` measured for ``device`` in this process, or None (measures nothing)."""
-    return _CACHE.get((str(torch.device(device)), torch.get_num_threads()))
+def _rows(nbytes: int) -> int:
+    """Rows of float32 activations of width 256 nearest ``nbytes``, a power of two between 1 and _MAX_ROWS."""
+    rows = max(nbytes // (4 * _WIDTH), 1)
+    return min(1 << round(math.log2(rows)), _MAX_ROWS)
 
 
-def region_costs(device: torch.device | str) -> RegionCosts:
-    """Measured added seconds of Libra's region executor on ``device`` (NOTE [Region overhead]), cached per device
-    and intra-op thread count. Takes about 0.5 s on a 2-core CPU."""
+def cached_region_costs(device: torch.device | str, nbytes: int) -> RegionCosts | None:
+    """The costs :func:`region_costs` measured in this process for ``device`` at the size nearest ``nbytes``, or None
+    (measures nothing)."""
+    device, threads, rows = str(torch.device(device)), torch.get_num_threads(), _rows(nbytes)
+    sizes = [k[2] for k in _CACHE if k[:2] == (device, threads)]
+    if not sizes:
+        return None
+    return _CACHE[(device, threads, min(sizes, key=lambda r: abs(math.log2(r) - math.log2(rows))))]
+
+
+def region_costs(device: torch.device | str, nbytes: int = 512 * 1024) -> RegionCosts:
+    """Measured added seconds of Libra's region executor on ``device`` for activations of about ``nbytes`` each
+    (NOTE [Region overhead]), cached per device, intra-op thread count and size. Takes 0.2-0.6 s on a 2-core CPU."""
     device = torch.device(device)
-    key = (str(device), torch.get_num_threads())
+    rows = _rows(nbytes)
+    key = (str(device), torch.get_num_threads(), rows)
     if key not in _CACHE:
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         grad = torch.is_grad_enabled()
         torch.set_grad_enabled(True)
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                n1, f1, t1 = _measure(1, device, sync)
-                n4, f4, t4 = _measure(3, device, sync)
+                n1, f1, t1 = _measure(1, rows, device, sync)
+                n3, f3, t3 = _measure(3, rows, device, sync)
         finally:
             torch.set_grad_enabled(grad)
         # fit added = call + per_op * ops on the two depths; noise can make a difference negative: clamp at zero
-        forward_op = max((f4 - f1) / (n4 - n1), 0.0)
-        replay_op = max(((t4 - f4) - (t1 - f1)) / (n4 - n1), 0.0)
+        forward_op = max((f3 - f1) / (n3 - n1), 0.0)
+        replay_op = max(((t3 - f3) - (t1 - f1)) / (n3 - n1), 0.0)
         call = max(t1 - (forward_op + replay_op) * n1, 0.0)
         _CACHE[key] = RegionCosts((forward_op, replay_op, call))
-        log.debug("libra: region executor costs on %s: %.1f us per forward op, %.1f us per replayed op, %.0f us "
-                  "per call", device, forward_op * 1e6, replay_op * 1e6, call * 1e6)
+        log.debug("libra: region executor costs on %s at %d-byte activations: %.1f us per forward op, %.1f us per "
+                  "replayed op, %.0f us per call", device, rows * _WIDTH * 4, forward_op * 1e6, replay_op * 1e6,
+                  call * 1e6)
     return _CACHE[key]
