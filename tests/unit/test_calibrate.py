@@ -1,31 +1,35 @@
 """The region executor's own cost (NOTE [Region overhead]): measured by the profiler, carried by the profile, used
-by the simulator instead of a guess."""
+by the simulator instead of a guess; and plain regions (NOTE [Plain regions]), which it makes worth planning."""
 
+import copy
 import json
 import math
 
 import pytest
+import torch
 
 import libra
 from libra.planner import Planning
-from libra.planner.simulate import MODE_OVERHEAD_FACTOR, REGION_OVERHEAD_SECONDS, Simulator
+from libra.planner.simulate import MODE_OVERHEAD_FACTOR, PLAIN, REGION_OVERHEAD_SECONDS, Simulator
 from libra.runtime import calibrate
 from libra.runtime.calibrate import cached_region_costs, region_costs
-from libra.testing import models
+from libra.testing import LiveBytesMeter, assert_grads_equal, fixed_times, models
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def mlp_profile():
-    model, x, y, loss_fn = models.make_mlp(batch=8)
-    return libra.profile(model, lambda: loss_fn(model(x), y).backward())
+def gpt():
+    model, x, y, loss_fn = models.make_gpt(batch=2, layers=4, d=64, seq=32, dropout=0.1)
+    prof = libra.profile(model, lambda: loss_fn(model(x), y).backward())
+    model.zero_grad(set_to_none=True)
+    return model, x, y, loss_fn, prof
 
 
-def test_costs_are_measured_once_per_size_and_carried_by_the_profile(mlp_profile):
-    carried = (mlp_profile.region_forward_op_seconds, mlp_profile.region_replay_op_seconds,
-               mlp_profile.region_call_seconds)
-    assert carried in [tuple(c) for c in calibrate._CACHE.values()]  # measured by libra.profile
+def test_costs_are_measured_once_per_size_and_carried_by_the_profile(gpt):
+    carried = gpt[-1].region_costs
+    assert len(carried) == 6
+    assert carried in [list(c) for c in calibrate._CACHE.values()]  # measured by libra.profile
     assert all(math.isfinite(c) and c >= 0 for c in carried)
     assert carried[0] + carried[1] > 0  # a dispatch mode is never free
     small = region_costs("cpu", 16 * 1024)
@@ -34,14 +38,15 @@ def test_costs_are_measured_once_per_size_and_carried_by_the_profile(mlp_profile
     assert cached_region_costs("cuda:7", 16 * 1024) is None  # never measured there; measures nothing
 
 
-def test_simulator_charges_the_measured_costs(mlp_profile):
-    prof = mlp_profile
+def test_simulator_charges_the_measured_costs(gpt):
+    prof = copy.deepcopy(gpt[-1])
+    prof.region_costs = [1e-5, 2e-5, 1e-4, 1e-6, 3e-6, 5e-5]
     planning = Planning(prof)
     state = planning.full_state
-    assert state, "the MLP has blocks to recompute"
-    sim = Simulator(prof, planning.units)
-    assert (sim.per_op, sim.per_replay_op, sim.per_call) == (
-        prof.region_forward_op_seconds, prof.region_replay_op_seconds, prof.region_call_seconds)
+    assert state, "the GPT has blocks to recompute"
+    sim = planning.sim
+    assert (sim.per_op, sim.per_replay_op, sim.per_call) == (1e-5, 2e-5, 1e-4)
+    assert sim.plain_costs == (1e-6, 3e-6, 5e-5)
     base = sim.run(state).added_seconds
     # one more microsecond per forward op, per replayed op and per call: exactly that much more per region
     calls = [inst for ui in state for inst in planning.units[ui].instances]
@@ -53,15 +58,78 @@ def test_simulator_charges_the_measured_costs(mlp_profile):
     assert more.run(state).added_seconds - base == pytest.approx(expected, rel=1e-6)
 
 
-def test_profiles_without_measured_costs_fall_back(mlp_profile, tmp_path):
+def test_profiles_without_measured_costs_fall_back_and_plan_no_plain_regions(gpt, tmp_path):
     path = tmp_path / "profile.json"
-    mlp_profile.save(path)
+    gpt[-1].save(path)
     data = json.loads(path.read_text())
-    assert data["region_replay_op_seconds"] == mlp_profile.region_replay_op_seconds  # saved with the profile
-    for key in ("region_forward_op_seconds", "region_replay_op_seconds", "region_call_seconds"):
-        del data[key]  # a profile written before they were measured
+    assert data["region_costs"] == gpt[-1].region_costs  # saved with the profile
+    del data["region_costs"]  # a profile written before they were measured
     path.write_text(json.dumps(data))
     old = libra.Profile.load(path)
     sim = Simulator(old, Planning(old).units)
     guess = MODE_OVERHEAD_FACTOR * old.dispatch_overhead_seconds
     assert (sim.per_op, sim.per_replay_op, sim.per_call) == (guess, guess, REGION_OVERHEAD_SECONDS)
+    assert sim.plain_costs is None
+    plan = libra.plan(old, Planning(old).min_budget_bytes())
+    assert plan.regions and not any(r.plain for r in plan.regions)
+
+
+def _cheap_plain(prof):
+    """Fixed op times, Libra's modes dear and plain checkpoint cheap: plans turn every fully recomputed unit plain."""
+    prof = fixed_times(copy.deepcopy(prof))
+    prof.region_costs = [1e-4, 1e-4, 1e-3, 1e-6, 1e-6, 1e-5]
+    return prof
+
+
+def test_plain_regions_are_simulated_without_cache_skip_or_modes(gpt):
+    planning = Planning(_cheap_plain(gpt[-1]))
+    state = dict(planning.full_state)
+    modes = planning.sim.run(state)
+    for ui in state:
+        state[ui] = PLAIN
+    plain = planning.sim.run(state)
+    assert plain.added_seconds < modes.added_seconds
+    built = planning.build(state, 0, plain, "greedy", 0.0).regions
+    assert built and all(r.plain and not (r.save or r.skip) for r in built)  # nothing cached, nothing skipped
+
+
+@pytest.mark.parametrize("share", [0.5, "min"])
+def test_plain_regions_run_exactly_and_within_budget(gpt, share):
+    model, x, y, loss_fn, measured = gpt
+    prof = _cheap_plain(measured)
+    planning = Planning(prof)
+    budget = planning.min_budget_bytes() if share == "min" else max(prof.budget_for_share(share),
+                                                                     planning.min_budget_bytes())
+    plan = libra.plan(planning, budget)
+    assert any(r.plain for r in plan.regions), [r.module for r in plan.regions]
+    assert all(not (r.save or r.skip or r.offload) for r in plan.regions if r.plain)
+    again = libra.Plan.load(_saved(plan))
+    assert [r.plain for r in again.regions] == [r.plain for r in plan.regions]
+
+    eager, ours = copy.deepcopy(model), copy.deepcopy(model)
+    for i in range(2):
+        torch.manual_seed(10 + i)
+        with LiveBytesMeter(extra=list(ours.parameters())) as meter, libra.apply(ours, plan):
+            loss_o = loss_fn(ours(x), y)
+            loss_o.backward()
+        torch.manual_seed(10 + i)
+        loss_e = loss_fn(eager(x), y)
+        loss_e.backward()
+        assert torch.equal(loss_e, loss_o)
+        assert_grads_equal(eager, ours)  # dropout replays draw what the forward drew
+        del loss_e, loss_o
+        for m in (eager, ours):
+            m.zero_grad(set_to_none=True)
+        # the meter sees every live tensor (the fixture's and the eager copy's too): compare above what was live
+        above, predicted = meter.peak_bytes - meter.start_bytes, plan.predicted_peak_bytes - prof.static_bytes
+        assert above <= budget - prof.static_bytes
+        assert abs(above - predicted) <= 0.05 * plan.predicted_peak_bytes
+
+
+def _saved(plan):
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp()) / "plan.json"
+    plan.save(path)
+    return path

@@ -8,14 +8,15 @@ import torch
 
 import libra
 from libra.planner import Planning
-from libra.testing import assert_grads_equal, models
+from libra.testing import assert_grads_equal, fixed_times, models
 
 
 @pytest.fixture(scope="module")
 def setup():
     model, x, y, loss_fn = models.make_mlp(batch=2048, d=64, hidden=256, depth=4)
     base = copy.deepcopy(model)
-    prof = libra.profile(model, lambda: loss_fn(model(x), y).backward())
+    # fixed times: the plan runs Libra's modes (no plain regions), whose per-op log the LIBRA_DEBUG test reads
+    prof = fixed_times(libra.profile(model, lambda: loss_fn(model(x), y).backward()))
     return base, x, y, loss_fn, prof, libra.plan(prof, Planning(prof).min_budget_bytes())
 
 

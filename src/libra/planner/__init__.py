@@ -7,7 +7,7 @@ import time
 
 from libra.errors import BudgetInfeasibleError, LibraError
 from libra.planner.regions import Unit, analyse
-from libra.planner.simulate import SimResult, Simulator, State, kept_split
+from libra.planner.simulate import PLAIN, SimResult, Simulator, State, kept_split
 from libra.planner.solvers import greedy, milp
 from libra.planner.types import PLAN_SCHEMA_VERSION, Decision, Plan, RegionPlan
 from libra.profiler.types import Profile
@@ -143,8 +143,9 @@ class Planning:
         regions = []
         for ui in sorted(state, key=lambda u: self.units[u].instances[0].start):
             unit = self.units[ui]
+            plain = state[ui] == PLAIN
             on_device, offloaded = kept_split(state[ui])
-            saved = unit.forced_save | on_device | offloaded
+            saved = set() if plain else unit.forced_save | on_device | offloaded
             for inst in unit.instances:
                 recomputed_ops.update(inst.start + j for j in range(len(unit.op_names)) if j not in saved)
                 offloaded_ops.update(inst.start + j for j in offloaded)
@@ -157,7 +158,8 @@ class Planning:
                     offload=sorted(offloaded),
                     protect={k: list(v) for k, v in sorted(unit.protect.items())},
                     input_shapes=[list(s) for s in unit.input_shapes],
-                    skip=sorted(self.sim.skip_of(ui, saved)),
+                    skip=[] if plain else sorted(self.sim.skip_of(ui, saved)),
+                    plain=plain,
                 )
             )
         keys = self._op_keys()
@@ -197,6 +199,24 @@ class Planning:
             planner_seconds=seconds,
             input_signature=list(prof.input_signature),
         )
+
+    def plain(self, state: State, target: int) -> State:
+        """``state`` with units turned plain, one at a time in forward order, wherever that still fits ``target``
+        and is faster (NOTE [Plain regions])."""
+        sim = self.sim
+        if sim.plain_costs is None:
+            return state
+        best = sim.run(state)
+        out = dict(state)
+        for ui in sorted(state, key=lambda u: self.units[u].instances[0].start):
+            if self.units[ui].protect:
+                continue
+            trial = dict(out)
+            trial[ui] = PLAIN
+            got = sim.run(trial)
+            if got.peak_bytes <= target and got.added_seconds < best.added_seconds:
+                out, best = trial, got
+        return out
 
     def contributors(self, state: State, t: int, limit: int = 5) -> list[str]:
         """The biggest storages live at op ``t``, as readable lines."""
@@ -293,6 +313,8 @@ def plan(
             budget_bytes=budget_bytes,
             min_budget_bytes=minimum,
         )
+    if state and solver == "milp":  # the greedy's family has plain variants already (NOTE [Plain regions])
+        state = planning.plain(state, target)
     result = planning.sim.run(state)
     seconds = time.perf_counter() - t0
     out = planning.build(state, budget_bytes, result, solver, seconds)

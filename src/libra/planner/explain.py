@@ -23,10 +23,12 @@ def explain_plan(plan: Plan) -> str:
     if not plan.regions:
         lines.append("  nothing is recomputed: applying this plan installs nothing")
     else:
-        lines.append(f"  checkpointed modules ({len(plan.regions)}): ops kept / replayed")
+        lines.append(f"  checkpointed modules ({len(plan.regions)}): ops kept / replayed / left out of the replay")
         for r in plan.regions:
             name = r.module + (f"[{r.call}]" if r.call else "")
-            lines.append(f"    {name:<32} {len(r.save):>4} / {len(r.ops) - len(r.save):<4}")
+            how = "  plain checkpoint" if r.plain else ""
+            replayed = len(r.ops) - len(r.save) - len(r.skip)
+            lines.append(f"    {name:<32} {len(r.save):>4} / {replayed:<4} / {len(r.skip):<4}{how}")
         recomputed = [k for k, d in plan.decisions.items() if d is Decision.RECOMPUTE]
         lines.append("  recomputed activations: " + ", ".join(recomputed[:8]) + (" ..." if len(recomputed) > 8 else ""))
     return "\n".join(lines)

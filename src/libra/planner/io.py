@@ -29,9 +29,9 @@ _PLAN_FIELDS = {
     "planner_seconds": float,
     "input_signature": list,
 }
-_OPTIONAL = {"input_signature", "skip"}  # added after schema 1 was first written; absent means "not recorded"
+_OPTIONAL = {"input_signature", "skip", "plain"}  # added after schema 1 was first written; absent means "not recorded"
 _REGION_FIELDS = {"module": str, "call": int, "ops": list, "save": list, "offload": list, "protect": dict,
-                  "input_shapes": list, "skip": list}
+                  "input_shapes": list, "skip": list, "plain": bool}
 _NON_NEGATIVE = {"budget_bytes", "predicted_peak_bytes", "eager_peak_bytes", "static_bytes", "predicted_step_seconds",
                  "eager_step_seconds", "planner_seconds"}
 
@@ -58,6 +58,7 @@ def plan_to_dict(plan: Plan) -> dict:
                 "protect": {str(k): list(v) for k, v in r.protect.items()},
                 "input_shapes": [list(s) for s in r.input_shapes],
                 "skip": list(r.skip),
+                "plain": r.plain,
             }
             for r in plan.regions
         ],
@@ -93,8 +94,12 @@ def _check_fields(data, fields: dict, where: str, path) -> None:
         if name not in data:
             continue
         value = data[name]
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else (
-            isinstance(value, kind) and not isinstance(value, bool))
+        if kind is bool:
+            ok = isinstance(value, bool)
+        elif kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, kind) and not isinstance(value, bool)
         if not ok:
             raise _fail(path, f"{where}.{name} should be {kind.__name__}, found {value!r}")
         if kind is float and not math.isfinite(value):
@@ -140,8 +145,11 @@ def plan_from_dict(data: dict, path="<dict>") -> Plan:
         skip = _int_list(r.get("skip", []), f"{where}.skip", path)
         if any(j >= len(r["ops"]) for j in skip) or set(skip) & set(save):
             raise _fail(path, f"{where}.skip names an op beyond the region's ops or one it saves")
+        plain = r.get("plain", False)
+        if plain and (save or offload or skip or protect):
+            raise _fail(path, f"{where} is plain (recomputes everything) but saves, offloads, skips or protects ops")
         regions.append(RegionPlan(module=r["module"], call=r["call"], ops=list(r["ops"]), save=save,
-                                  offload=offload, protect=protect, input_shapes=shapes, skip=skip))
+                                  offload=offload, protect=protect, input_shapes=shapes, skip=skip, plain=plain))
     parameters = []
     for entry in data["parameters"]:
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[2], str)):

@@ -15,15 +15,25 @@ from libra.planner.regions import Unit
 from libra.planner.replay import replay_skip
 from libra.profiler.types import Profile
 
-__all__ = ["Simulator", "SimResult", "State", "kept_split"]
+__all__ = ["Simulator", "SimResult", "State", "kept_split", "PLAIN"]
 
 # unit index -> the candidates (local op indices) whose outputs are kept: ``j`` keeps them on the device, ``~j``
 # (that is -j-1) in host memory (offloaded). Candidates of a listed unit that are in neither form are recomputed.
 State = dict[int, frozenset[int]]
 
 
+# NOTE [Plain regions]: a unit whose entry is PLAIN runs under plain ``torch.utils.checkpoint``, without Libra's
+# modes: nothing is cached (outputs that escape the call are recomputed too), no op is skipped, and it costs what
+# checkpoint itself costs, which on a CPU is far less per op than the modes (runtime/calibrate.py). The planner
+# turns a unit plain after solving when that fits the budget and is faster; units that write module state (BatchNorm
+# running stats) never are, since checkpoint would update it a second time.
+PLAIN: frozenset[int] = frozenset({1 << 40})
+
+
 def kept_split(cached: frozenset[int]) -> tuple[set[int], set[int]]:
     """(kept on the device, offloaded) local op indices of one unit's state entry."""
+    if cached == PLAIN:
+        return set(), set()
     return {j for j in cached if j >= 0}, {~j for j in cached if j < 0}
 
 # Runtime cost model, per op dispatched through Libra's modes (in multiples of a do-nothing dispatch mode's cost),
@@ -108,11 +118,12 @@ class Simulator:
                     self.pack_owner[pi] = (ui, ii)
         # NOTE [Region overhead] in runtime/calibrate.py: measured by the profiler; older and synthetic profiles
         # fall back to a multiple of the do-nothing dispatch mode's cost
-        measured = getattr(profile, "region_forward_op_seconds", 0.0) or getattr(profile, "region_replay_op_seconds", 0.0)
-        if measured:
-            self.per_op = profile.region_forward_op_seconds
-            self.per_replay_op = profile.region_replay_op_seconds
-            self.per_call = profile.region_call_seconds
+        # (and then never plan plain regions, NOTE [Plain regions])
+        costs = list(getattr(profile, "region_costs", None) or [])
+        self.plain_costs: tuple[float, float, float] | None = None
+        if len(costs) == 6:
+            self.per_op, self.per_replay_op, self.per_call = costs[:3]
+            self.plain_costs = (costs[3], costs[4], costs[5])
         else:
             self.per_op = self.per_replay_op = MODE_OVERHEAD_FACTOR * profile.dispatch_overhead_seconds
             self.per_call = REGION_OVERHEAD_SECONDS
@@ -167,8 +178,10 @@ class Simulator:
 
         for ui, cached in state.items():
             unit = self.units[ui]
+            plain = cached == PLAIN
             on_device, offloaded = kept_split(cached)
-            saved = unit.forced_save | on_device | offloaded
+            saved = set() if plain else unit.forced_save | on_device | offloaded
+            per_op, per_call = (self.plain_costs[0], self.plain_costs[2]) if plain else (self.per_op, self.per_call)
             for ii, inst in enumerate(unit.instances):
                 last = inst.l_r if inst.l_r >= 0 else n
                 if inst.t_r >= 0:
@@ -200,8 +213,8 @@ class Simulator:
                     touched[s] = None
                     holders.setdefault(s, []).append(last)
                 if inst.t_r >= 0:
-                    self._replay(ui, ii, saved, bursts, base)
-                base.add((inst.end - inst.start) * self.per_op + self.per_call)
+                    self._replay(ui, ii, saved, bursts, base, plain)
+                base.add((inst.end - inst.start) * per_op + per_call)
         intervals: dict[int, tuple[int, int]] = {}
         for s in touched:
             a = self._alloc[s]
@@ -217,7 +230,8 @@ class Simulator:
         added = base.value() + max(exposed.value(), lane.value() - self.profile.eager_step_seconds)
         return intervals, extra_copies, bursts, added
 
-    def _replay(self, ui: int, ii: int, saved: set[int], bursts: list, seconds: "_ExactSum") -> None:
+    def _replay(self, ui: int, ii: int, saved: set[int], bursts: list, seconds: "_ExactSum",
+                plain: bool = False) -> None:
         """Appends the transient peak of one region's replay at its t_r to ``bursts``, and its seconds to
         ``seconds``."""
         unit = self.units[ui]
@@ -243,18 +257,18 @@ class Simulator:
         extra = peak - kept
         if extra > 0:
             bursts.append((inst.t_r, extra))
-        self._replay_seconds(ui, ii, saved, seconds)
+        self._replay_seconds(ui, ii, saved, seconds, plain)
 
-    def _replay_seconds(self, ui: int, ii: int, saved: set[int], seconds: "_ExactSum") -> None:
+    def _replay_seconds(self, ui: int, ii: int, saved: set[int], seconds: "_ExactSum", plain: bool = False) -> None:
         unit = self.units[ui]
         inst = unit.instances[ii]
         span = inst.stop - inst.start
         k_inst = len(unit.instances)
-        skip = self.skip_of(ui, saved)
+        skip = set() if plain else self.skip_of(ui, saved)
         for local in range(span):
             if local not in saved and local not in skip:
                 seconds.add(unit.op_seconds[local] / k_inst)
-        seconds.add(span * self.per_replay_op)
+        seconds.add(span * (self.plain_costs[1] if plain else self.per_replay_op))
 
     def _unit_time(self, ui: int, cached: frozenset[int]):
         """The terms of the added seconds that unit ``ui`` with ``cached`` kept contributes on its own, exactly as
@@ -268,8 +282,10 @@ class Simulator:
 
     def _unit_time_of(self, ui: int, cached: frozenset[int]):
         unit = self.units[ui]
+        plain = cached == PLAIN
         on_device, offloaded = kept_split(cached)
-        saved = unit.forced_save | on_device | offloaded
+        saved = set() if plain else unit.forced_save | on_device | offloaded
+        per_op, per_call = (self.plain_costs[0], self.plain_costs[2]) if plain else (self.per_op, self.per_call)
         base = _ExactSum()
         lane = _ExactSum()
         offloads = []
@@ -279,9 +295,9 @@ class Simulator:
             for x in secs:
                 lane.add(2 * x)
             if inst.t_r >= 0:
-                self._replay_seconds(ui, ii, saved, base)
+                self._replay_seconds(ui, ii, saved, base, plain)
                 offloads.append((inst.t_r, secs))
-            base.add((inst.end - inst.start) * self.per_op + self.per_call)
+            base.add((inst.end - inst.start) * per_op + per_call)
         return base.total, lane.total, offloads
 
     def skip_of(self, ui: int, saved: set[int]) -> set[int]:

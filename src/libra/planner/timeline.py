@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from libra.errors import LibraError
 from libra.planner.regions import Unit, analyse
-from libra.planner.simulate import Simulator, State
+from libra.planner.simulate import PLAIN, Simulator, State
 from libra.planner.types import Plan
 from libra.profiler.types import Profile
 
@@ -61,7 +61,8 @@ def state_of(plan: Plan, units: list[Unit]) -> State:
         units: the decision units of the profile it was planned from (``Planning(profile).units``).
 
     Returns:
-        unit index -> kept candidates (``j`` on the device, ``~j`` offloaded), as the solvers produce it.
+        unit index -> kept candidates (``j`` on the device, ``~j`` offloaded), as the solvers produce it;
+        ``PLAIN`` for a plain region.
 
     Raises:
         LibraError: a region of the plan is no unit of this profile, or its ops differ (another profile).
@@ -74,6 +75,9 @@ def state_of(plan: Plan, units: list[Unit]) -> State:
             name = r.module + (f"[{r.call}]" if r.call else "")
             seen = "is not a region of this profile" if ui is None else "ran other ops when this profile was recorded"
             raise LibraError(f"libra.memory_timeline: the plan checkpoints module {name!r}, which {seen}. {_FIX}")
+        if r.plain:
+            state[ui] = PLAIN
+            continue
         unit = units[ui]
         save, offload = set(r.save), set(r.offload)
         kept = [j for j in unit.candidates if j in save and j not in offload]

@@ -34,6 +34,8 @@ class RegionPlan:
         skip: local indices of ops the replay does not run, because nothing backward needs from the replay depends
             on them (NOTE [Dead ops in a replay], runtime/region.py); they return uninitialized tensors of the
             shapes the forward saw. Never in ``save``.
+        plain: run the call under plain ``torch.utils.checkpoint``, without Libra's modes (NOTE [Plain regions] in
+            planner/simulate.py): everything is recomputed; ``save``, ``offload`` and ``skip`` are empty.
     """
 
     module: str
@@ -44,6 +46,7 @@ class RegionPlan:
     protect: dict[int, list[str]] = field(default_factory=dict)
     input_shapes: list[list[int]] = field(default_factory=list)
     skip: list[int] = field(default_factory=list)
+    plain: bool = False
 
 
 @dataclass

@@ -183,14 +183,14 @@ class StepRecording:
     def _region_costs(self, ops, storages):
         """What the region executor costs on this device at the step's typical activation size (NOTE [Region
         overhead] in runtime/calibrate.py), measured now that the step is over. A recording inside a live step
-        (finished from a backward callback) only reads what was measured before; all 0 (the planner's fallback)
+        (finished from a backward callback) only reads what was measured before; empty (the planner's fallback)
         if nothing was."""
         from libra.runtime.calibrate import RegionCosts, cached_region_costs, region_costs  # runtime imports us
 
         sizes = sorted(storages[s].nbytes for o in ops if not o.backward for s in o.outputs)
         typical = sizes[len(sizes) // 2] if sizes else 0
         if self.root_entered:
-            return cached_region_costs(self.device, typical) or RegionCosts((0.0, 0.0, 0.0))
+            return cached_region_costs(self.device, typical) or RegionCosts(())
         return region_costs(self.device, typical)
 
     def finish(self) -> Profile:
@@ -217,9 +217,7 @@ class StepRecording:
             parameters=model_signature(self.model),
             input_signature=probes.input_signature,
             torch_version=torch.__version__,
-            region_forward_op_seconds=costs.forward_op,
-            region_replay_op_seconds=costs.replay_op,
-            region_call_seconds=costs.call,
+            region_costs=list(costs),
         )
         log.info(
             "profiled one step: %d ops, %d saved tensors, eager peak %s (static %s), %.1f ms",

@@ -91,10 +91,9 @@ class Profile:
     module_calls: list[ModuleCall]
     parameters: list[tuple[str, list[int], str]]  # (name, shape, dtype) of every parameter and buffer
     input_signature: list[str] = field(default_factory=list)  # the root call's tensor inputs (libra._ops)
-    # the region executor's own measured cost (NOTE [Region overhead], runtime/calibrate.py); all 0: not measured
-    region_forward_op_seconds: float = 0.0  # added per op of a checkpointed call's forward
-    region_replay_op_seconds: float = 0.0  # added per op of its replay
-    region_call_seconds: float = 0.0  # added per call
+    # what the region executor adds, measured (NOTE [Region overhead], runtime/calibrate.py): seconds per forward
+    # op, per replayed op and per call under Libra's modes, then the same under plain checkpoint; [] not measured
+    region_costs: list[float] = field(default_factory=list)
     torch_version: str = ""
     schema_version: int = PROFILE_SCHEMA_VERSION
 

@@ -18,7 +18,7 @@ from libra.planner import plan as make_plan
 from libra.planner.types import Decision, Plan, RegionPlan
 from libra._ops import input_signature, kv_cache_args
 from libra.profiler import StepRecording, model_signature
-from libra.runtime.region import OffloadContext, RegionRun, debug_enabled
+from libra.runtime.region import OffloadContext, PlainRun, RegionRun, debug_enabled
 from libra.units import format_bytes
 
 __all__ = ["apply"]
@@ -85,6 +85,14 @@ class _RegionForward:
                 ", ".join(caches),
             )
             return self.forward(*args, **kwargs)
+        if region.plain:  # NOTE [Plain regions] in planner/simulate.py
+            if debug_enabled():
+                log.debug("libra: %s[%d] runs under plain checkpoint (everything recomputed)", region.module,
+                          region.call)
+            plain = PlainRun(self.forward, self.session.offload)
+            if self.session.offload is not None:
+                self.session.offload.register(plain)
+            return torch_checkpoint.checkpoint(plain.run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
         run = RegionRun(region, self.forward, self.session.offload, note=self.session.note_once)
         if self.session.offload is not None:
             self.session.offload.register(run)

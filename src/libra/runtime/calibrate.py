@@ -11,7 +11,7 @@ remains is the executor's own cost), at depths 1 and 3 so that the per-op cost a
 separate. The cost grows with the tensors' size (measured per op, forward / replay: 18 / 21 us at 16 KiB,
 30 / 60 us at 512 KiB, 60 / 150 us at 2 MiB, one thread), so the block is sized like the profiled step: its
 activations have the median size of the step's forward outputs, rounded to a power of two (each size measured once
-per process). The planner reads the figures from the profile (``Profile.region_forward_op_seconds`` and friends).
+per process). The planner reads the figures from the profile (``Profile.region_costs``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ _MAX_ROWS = 2048  # 2 MiB activations at most: larger ones cost the calibration 
 
 
 class RegionCosts(tuple):
-    """``(forward_op, replay_op, call)`` seconds: added per op in the forward, per op in the replay, per call."""
+    """``(forward_op, replay_op, call, plain_forward_op, plain_replay_op, plain_call)`` seconds: added per op in
+    the forward, per op in the replay and per call, by Libra's region modes and by plain checkpoint (NOTE [Plain
+    regions]); a replay's recomputed ops' own time is not included."""
 
     @property
     def forward_op(self) -> float:
@@ -52,6 +54,10 @@ class RegionCosts(tuple):
     @property
     def call(self) -> float:
         return self[2]
+
+    @property
+    def plain(self) -> tuple[float, float, float]:
+        return self[3], self[4], self[5]
 
 
 class _Layer(nn.Module):
@@ -95,8 +101,9 @@ def _best(fn, sync) -> float:
     return best
 
 
-def _measure(depth: int, rows: int, device: torch.device, sync) -> tuple[int, float, float]:
-    """(ops, added forward seconds, added forward + backward seconds) of one region call of a block."""
+def _measure(depth: int, rows: int, device: torch.device, sync) -> tuple[int, float, float, float, float]:
+    """(ops, added forward seconds, added forward + backward seconds) of one region call of a block under Libra's
+    modes keeping everything, then the same two for plain checkpoint, less the replay's own ops (one forward)."""
     torch.manual_seed(0)
     block = _Block(depth).to(device)
     x = torch.randn(rows, _WIDTH, device=device, requires_grad=True)
@@ -119,13 +126,22 @@ def _measure(depth: int, rows: int, device: torch.device, sync) -> tuple[int, fl
     def region_step():
         region().sum().backward()
 
+    def plain_fwd():
+        torch_checkpoint.checkpoint(block, x, use_reentrant=False)
+
+    def plain_step():
+        torch_checkpoint.checkpoint(block, x, use_reentrant=False).sum().backward()
+
     eager_step()
     region_step()  # first calls pay one-time costs
-    times = {f: float("inf") for f in (eager_fwd, region_fwd, eager_step, region_step)}
+    plain_step()
+    times = {f: float("inf") for f in (eager_fwd, region_fwd, eager_step, region_step, plain_fwd, plain_step)}
     for _ in range(2):  # interleaved, so that a disturbance hits both sides
         for f in times:
             times[f] = min(times[f], _best(f, sync))
-    return len(names), times[region_fwd] - times[eager_fwd], times[region_step] - times[eager_step]
+    eager = times[eager_step]
+    return (len(names), times[region_fwd] - times[eager_fwd], times[region_step] - eager,
+            times[plain_fwd] - times[eager_fwd], times[plain_step] - eager - times[eager_fwd])
 
 
 _CACHE: dict[tuple[str, int, int], RegionCosts] = {}
@@ -159,16 +175,19 @@ def region_costs(device: torch.device | str, nbytes: int = 512 * 1024) -> Region
         torch.set_grad_enabled(True)
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                n1, f1, t1 = _measure(1, rows, device, sync)
-                n3, f3, t3 = _measure(3, rows, device, sync)
+                n1, f1, t1, pf1, pt1 = _measure(1, rows, device, sync)
+                n3, f3, t3, pf3, pt3 = _measure(3, rows, device, sync)
         finally:
             torch.set_grad_enabled(grad)
-        # fit added = call + per_op * ops on the two depths; noise can make a difference negative: clamp at zero
-        forward_op = max((f3 - f1) / (n3 - n1), 0.0)
-        replay_op = max(((t3 - f3) - (t1 - f1)) / (n3 - n1), 0.0)
-        call = max(t1 - (forward_op + replay_op) * n1, 0.0)
-        _CACHE[key] = RegionCosts((forward_op, replay_op, call))
+
+        def fit(f1, t1, f3, t3):
+            # added = call + per_op * ops on the two depths; noise can make a difference negative: clamp at zero
+            forward_op = max((f3 - f1) / (n3 - n1), 0.0)
+            replay_op = max(((t3 - f3) - (t1 - f1)) / (n3 - n1), 0.0)
+            return forward_op, replay_op, max(t1 - (forward_op + replay_op) * n1, 0.0)
+
+        _CACHE[key] = RegionCosts(fit(f1, t1, f3, t3) + fit(pf1, pt1, pf3, pt3))
         log.debug("libra: region executor costs on %s at %d-byte activations: %.1f us per forward op, %.1f us per "
-                  "replayed op, %.0f us per call", device, rows * _WIDTH * 4, forward_op * 1e6, replay_op * 1e6,
-                  call * 1e6)
+                  "replayed op, %.0f us per call (plain checkpoint: %.1f, %.1f, %.0f)", device, rows * _WIDTH * 4,
+                  *(c * 1e6 for c in _CACHE[key]))
     return _CACHE[key]

@@ -40,7 +40,7 @@ from libra.errors import LibraError
 from libra.planner.types import RegionPlan
 from libra.runtime.offload import HostCopy, HostPool
 
-__all__ = ["RegionRun", "OffloadContext"]
+__all__ = ["RegionRun", "PlainRun", "OffloadContext"]
 
 log = logging.getLogger("libra")
 
@@ -145,6 +145,26 @@ class OffloadContext:
                     with _internal():
                         self.runs[i - 1]().prefetch()
                 return
+
+
+class PlainRun:
+    """One call of a plain region (NOTE [Plain regions] in planner/simulate.py): the function plain checkpoint runs,
+    once for the forward and once per replay. It only tells the offload context when its replay starts, so that the
+    call before it brings its offloaded outputs back then (NOTE [Prefetch]), as the simulator assumes."""
+
+    def __init__(self, forward, offload: "OffloadContext | None") -> None:
+        self.forward = forward
+        self.offload_ctx = offload
+        self.calls = 0
+
+    def run(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls > 1 and self.offload_ctx is not None:
+            self.offload_ctx.replay_started(self)
+        return self.forward(*args, **kwargs)
+
+    def prefetch(self) -> None:
+        """Nothing to bring back: a plain call keeps nothing."""
 
 
 class RegionRun:

@@ -16,6 +16,10 @@ alone got slower with more memory at 28 of 720 budget steps). The family:
   until the peak passes the rung ten above. Every state of a chain is a candidate; the chains bridge the budgets
   between rungs, also from rungs far below.
 
+- for every anchor, the same plan with units turned plain (NOTE [Plain regions] in simulate.py) wherever that is
+  faster, in forward order, once with any peak and once never above the anchor's: plain checkpoint costs less per
+  op than Libra's modes but caches nothing, so it is a different plan, not a better version of one.
+
 A candidate counts for ``b`` when its estimated peak fits ``b`` and the simulator confirms it (each candidate is
 simulated at most once); both are properties of the candidate alone, so the rule stays monotone. Candidates are
 ranked by their simulated added seconds, which :class:`~libra.planner.simulate.TimeModel` follows exactly along a
@@ -36,7 +40,7 @@ import heapq
 
 import numpy as np
 
-from libra.planner.simulate import Simulator, State, TimeModel
+from libra.planner.simulate import PLAIN, Simulator, State, TimeModel
 from libra.planner.solvers.effects import OFFLOAD, Effects, PeakTree
 
 __all__ = ["Front", "default_ladder", "LADDER_STEPS"]
@@ -229,6 +233,7 @@ class Front:
         self.ladder = sorted(set(int(d) for d in ladder))
         self._chains: dict[int, list[_Chain]] = {}
         self._fits: dict[tuple[int, int, int], int] = {}  # (anchor, chain, state) -> simulated peak
+        self._plain: dict[int, list[tuple[float, int, State]]] = {}  # anchor -> (seconds, peak, state) variants
 
     def chains(self, d: int) -> list[_Chain]:
         """The chains from the anchor at ``d`` (none if the greedy finds no plan there), built when first asked."""
@@ -243,6 +248,7 @@ class Front:
                 chains = [_Chain(self.sim, self.fx, moves, live, whole, reach) for whole in (False, True)]
                 for c in range(len(chains)):
                     self._fits[(d, c, 0)] = int(live.max())
+                self._plain[d] = plain_variants(self.sim, state)
             self._chains[d] = chains
         return self._chains[d]
 
@@ -255,8 +261,12 @@ class Front:
             for c, chain in enumerate(self.chains(d)):
                 idx = np.flatnonzero(chain.peaks <= budget)
                 found.extend((float(chain.costs[i]), d, c, int(i)) for i in idx)
+            found.extend((seconds, d, -1, k) for k, (seconds, peak, _) in enumerate(self._plain.get(d, ()))
+                         if peak <= budget)
         found.sort()
         for _, d, c, i in found:
+            if c < 0:
+                return self._plain[d][i][2]  # simulated exactly already
             chain = self._chains[d][c]
             peak = self._fits.get((d, c, i))
             if peak is None:
@@ -264,6 +274,30 @@ class Front:
             if peak <= budget:
                 return chain.state(i)
         return None
+
+
+def plain_variants(sim: Simulator, state: State) -> list[tuple[float, int, State]]:
+    """``state`` with units turned plain where that makes it faster, in forward order: once whatever the peak, once
+    never above ``state``'s own. ``(added seconds, peak, state)`` of each variant that differs from ``state``;
+    none when the profile has no measured plain-checkpoint costs."""
+    if sim.plain_costs is None or not state:
+        return []
+    start = sim.run(state)
+    order = sorted(state, key=lambda u: sim.units[u].instances[0].start)
+    out = []
+    for cap in (None, start.peak_bytes):
+        best, current = start, dict(state)
+        for ui in order:
+            if sim.units[ui].protect or current[ui] == PLAIN:
+                continue
+            trial = dict(current)
+            trial[ui] = PLAIN
+            got = sim.run(trial)
+            if got.added_seconds < best.added_seconds and (cap is None or got.peak_bytes <= cap):
+                best, current = got, trial
+        if current != state and all(current != v for _, _, v in out):
+            out.append((best.added_seconds, best.peak_bytes, current))
+    return out
 
 
 def _moves(fx: Effects, state: State) -> list[int]:
