@@ -209,7 +209,7 @@ class Planning:
         best = sim.run(state)
         out = dict(state)
         for ui in sorted(state, key=lambda u: self.units[u].instances[0].start):
-            if self.units[ui].protect:
+            if not self.units[ui].plain_ok:
                 continue
             trial = dict(out)
             trial[ui] = PLAIN

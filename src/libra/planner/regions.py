@@ -57,6 +57,7 @@ class Unit:
     offloadable: set[int]  # candidates all of whose outputs may leave the device (none escapes or changes later)
     protect: dict[int, list[str]]
     input_shapes: list[list[int]]
+    plain_ok: bool = True  # may run under plain checkpoint (NOTE [Plain regions] in simulate.py)
 
 
 def _children(profile: Profile) -> dict[int, list[int]]:
@@ -261,6 +262,8 @@ def analyse(profile: Profile) -> tuple[list[Unit], dict[int, str]]:
                 offloadable=set(),
                 protect=protect,
                 input_shapes=c.input_shapes,
+                # plain checkpoint replays module-state writes again and restores only the default generators
+                plain_ok=not protect and not any(ops[i].generator for i in range(a, b)),
             )
             units[key] = unit
         elif unit.op_names != names:
@@ -269,6 +272,7 @@ def analyse(profile: Profile) -> tuple[list[Unit], dict[int, str]]:
             del units[key]
             continue
         unit.instances.append(inst)
+        unit.plain_ok = unit.plain_ok and not any(ops[i].generator for i in range(a, b))
         for i in range(a, b):
             unit.op_seconds[i - a] += ops[i].seconds
         unit.forced_save |= forced

@@ -26,7 +26,8 @@ State = dict[int, frozenset[int]]
 # modes: nothing is cached (outputs that escape the call are recomputed too), no op is skipped, and it costs what
 # checkpoint itself costs, which on a CPU is far less per op than the modes (runtime/calibrate.py). The planner
 # turns a unit plain after solving when that fits the budget and is faster; units that write module state (BatchNorm
-# running stats) never are, since checkpoint would update it a second time.
+# running stats) never are, since checkpoint would update it a second time, nor units with a random op handed its own
+# torch.Generator (checkpoint restores only the default generators, so the replay would draw other numbers).
 PLAIN: frozenset[int] = frozenset({1 << 40})
 
 

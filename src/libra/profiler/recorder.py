@@ -157,6 +157,9 @@ class Recorder(TorchDispatchMode):
                 collective=info.collective,
                 returned=returned,
                 python_value=info.python_value,
+                generator=info.random and any(
+                    isinstance(v, torch.Generator) for v in list(args) + list(kwargs.values())
+                ),
             )
         )
         self.bookkeeping_ns += time.perf_counter_ns() - t_enter - (t1 - t0)

@@ -30,6 +30,7 @@ class OpRecord:
     collective: bool = False
     returned: list[int] | None = None  # storage ids of every returned tensor, fresh or a view (None: not recorded)
     python_value: bool = False  # returns a number or bool Python can branch on (``.item()``): always replayed
+    generator: bool = False  # a random op handed an explicit torch.Generator (never under plain checkpoint)
 
 
 @dataclass

@@ -10,6 +10,9 @@ NOTE [Region executor contract]
   BatchNorm never updates running stats twice when saved); replayed ops that write module state (running stats,
   ``num_batches_tracked``) write to private copies. Replayed random ops see the generator exactly as in forward:
   checkpoint restores the state at region start, and after a cached random op the state it left is restored.
+  NOTE [Own generators]: checkpoint saves and restores only the default generators. A random op handed its own
+  ``torch.Generator`` gets that generator's state from before its forward run for its replay, and the generator is
+  put back as it was right after, so the replay draws the forward's numbers and the user's generator does not move.
 - A replay that dispatches another op than the forward did raises instead of returning a wrong value.
 
 NOTE [Dead ops in a replay]
@@ -45,11 +48,15 @@ __all__ = ["RegionRun", "PlainRun", "OffloadContext"]
 log = logging.getLogger("libra")
 
 
-def _generator_state(args, kwargs):
-    """(generator, state) pairs of the generators a random op may draw from."""
+def _own_generator(kwargs) -> "torch.Generator | None":
+    """The torch.Generator a random op was handed (``generator=`` is keyword-only in aten schemas), if any."""
     gen = kwargs.get("generator")
-    if gen is not None:
-        return [(gen, gen.get_state())]
+    return gen if isinstance(gen, torch.Generator) else None
+
+
+def _generator_state(args, kwargs):
+    """(generator, state) pairs of the default generators a random op draws from (not called for an op handed its
+    own generator: NOTE [Own generators])."""
     devices = {t.device for t in tensors_in(list(args)) + tensors_in(list(kwargs.values()))}
     out = [(None, torch.get_rng_state())]
     for d in devices:
@@ -185,6 +192,7 @@ class RegionRun:
         self.versions: dict[int, list[int]] = {}  # local op index -> version counters of the cached outputs
         self.cached_by_storage: dict[int, list[int]] = {}
         self.rng_after: dict[int, list] = {}
+        self.gen_before: dict[int, tuple] = {}  # NOTE [Own generators]: op -> (its generator, state before it)
         self.following = True  # the forward still matches the profiled op sequence
         self.diverged_at = len(region.ops)
         self.replay_storages: set[int] = set()  # storages the current replay made or got from the cache
@@ -311,17 +319,20 @@ class _ForwardMode(_RegionMode):
         info = op_info(func)
         if r.cached_by_storage and info.write_args:
             r.copy_on_write(func, args, kwargs)
+        own = _own_generator(kwargs) if info.random else None
+        if own is not None:
+            r.gen_before[index] = (own, own.get_state())
         out = func(*args, **kwargs)
         if r.following and (index >= len(r.region.ops) or r.region.ops[index] != info.name):
             r.diverged(index, info.name)
         kept = (index in r.save) if r.following else any(info.fresh_returns)
         if kept:
             r.keep(index, out)
-            if info.random:
+            if info.random and own is None:
                 r.rng_after[index] = _generator_state(args, kwargs)
         elif r.following and index in r.skip:
             r.skipped_meta[index] = _map_only(torch.Tensor, _Shape, out)
-            if info.random:
+            if info.random and own is None:
                 r.rng_after[index] = _generator_state(args, kwargs)
         if r.debug:
             log.debug("libra: %s[%d] forward op %d %s: %s", r.region.module, r.region.call, index, info.name,
@@ -363,7 +374,17 @@ class _ReplayMode(_RegionMode):
                         names.add(name)
             if names:
                 args, kwargs = _private_copies(func, args, kwargs, names)
-            out = func(*args, **kwargs)
+            own = r.gen_before.get(index)
+            if own is None:
+                out = func(*args, **kwargs)
+            else:  # NOTE [Own generators]
+                gen, before = own
+                now = gen.get_state()
+                gen.set_state(before)
+                try:
+                    out = func(*args, **kwargs)
+                finally:
+                    gen.set_state(now)
         if r.debug:
             log.debug("libra: %s[%d] replay op %d %s: %s", r.region.module, r.region.call, index, func,
                       "from the cache" if cached is not None else "skipped" if skipped else "recomputed")

@@ -288,7 +288,7 @@ def plain_variants(sim: Simulator, state: State) -> list[tuple[float, int, State
     for cap in (None, start.peak_bytes):
         best, current = start, dict(state)
         for ui in order:
-            if sim.units[ui].protect or current[ui] == PLAIN:
+            if not sim.units[ui].plain_ok or current[ui] == PLAIN:
                 continue
             trial = dict(current)
             trial[ui] = PLAIN
