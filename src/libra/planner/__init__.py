@@ -8,7 +8,7 @@ import time
 from libra.errors import BudgetInfeasibleError, LibraError
 from libra.planner.regions import Unit, analyse
 from libra.planner.simulate import PLAIN, SimResult, Simulator, State, kept_split
-from libra.planner.solvers import greedy, milp
+from libra.planner.solvers import front, greedy, milp
 from libra.planner.types import PLAN_SCHEMA_VERSION, Decision, Plan, RegionPlan
 from libra.profiler.types import Profile
 from libra.units import format_bytes, parse_bytes
@@ -200,24 +200,6 @@ class Planning:
             input_signature=list(prof.input_signature),
         )
 
-    def plain(self, state: State, target: int) -> State:
-        """``state`` with units turned plain, one at a time in forward order, wherever that still fits ``target``
-        and is faster (NOTE [Plain regions])."""
-        sim = self.sim
-        if sim.plain_costs is None:
-            return state
-        best = sim.run(state)
-        out = dict(state)
-        for ui in sorted(state, key=lambda u: self.units[u].instances[0].start):
-            if not self.units[ui].plain_ok:
-                continue
-            trial = dict(out)
-            trial[ui] = PLAIN
-            got = sim.run(trial)
-            if got.peak_bytes <= target and got.added_seconds < best.added_seconds:
-                out, best = trial, got
-        return out
-
     def contributors(self, state: State, t: int, limit: int = 5) -> list[str]:
         """The biggest storages live at op ``t``, as readable lines."""
         prof = self.profile
@@ -314,7 +296,7 @@ def plan(
             min_budget_bytes=minimum,
         )
     if state and solver == "milp":  # the greedy's family has plain variants already (NOTE [Plain regions])
-        state = planning.plain(state, target)
+        state = front.plainify(planning.sim, state, target)[0]
     result = planning.sim.run(state)
     seconds = time.perf_counter() - t0
     out = planning.build(state, budget_bytes, result, solver, seconds)

@@ -262,8 +262,7 @@ def analyse(profile: Profile) -> tuple[list[Unit], dict[int, str]]:
                 offloadable=set(),
                 protect=protect,
                 input_shapes=c.input_shapes,
-                # plain checkpoint replays module-state writes again and restores only the default generators
-                plain_ok=not protect and not any(ops[i].generator for i in range(a, b)),
+                plain_ok=not protect,  # plain checkpoint would write module state (BatchNorm stats) twice
             )
             units[key] = unit
         elif unit.op_names != names:
@@ -272,6 +271,7 @@ def analyse(profile: Profile) -> tuple[list[Unit], dict[int, str]]:
             del units[key]
             continue
         unit.instances.append(inst)
+        # ... and it restores only the default generators, not one a random op was handed (NOTE [Plain regions])
         unit.plain_ok = unit.plain_ok and not any(ops[i].generator for i in range(a, b))
         for i in range(a, b):
             unit.op_seconds[i - a] += ops[i].seconds

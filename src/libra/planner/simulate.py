@@ -120,7 +120,7 @@ class Simulator:
         # NOTE [Region overhead] in runtime/calibrate.py: measured by the profiler; older and synthetic profiles
         # fall back to a multiple of the do-nothing dispatch mode's cost
         # (and then never plan plain regions, NOTE [Plain regions])
-        costs = list(getattr(profile, "region_costs", None) or [])
+        costs = list(profile.region_costs)
         self.plain_costs: tuple[float, float, float] | None = None
         if len(costs) == 6:
             self.per_op, self.per_replay_op, self.per_call = costs[:3]
@@ -179,10 +179,7 @@ class Simulator:
 
         for ui, cached in state.items():
             unit = self.units[ui]
-            plain = cached == PLAIN
-            on_device, offloaded = kept_split(cached)
-            saved = set() if plain else unit.forced_save | on_device | offloaded
-            per_op, per_call = (self.plain_costs[0], self.plain_costs[2]) if plain else (self.per_op, self.per_call)
+            plain, offloaded, saved, per_op, per_call = self._entry(ui, cached)
             for ii, inst in enumerate(unit.instances):
                 last = inst.l_r if inst.l_r >= 0 else n
                 if inst.t_r >= 0:
@@ -230,6 +227,14 @@ class Simulator:
         # copies run on their own lane: exposed where a prefetch is late, and wherever the lane is busier than the step
         added = base.value() + max(exposed.value(), lane.value() - self.profile.eager_step_seconds)
         return intervals, extra_copies, bursts, added
+
+    def _entry(self, ui: int, cached: frozenset[int]):
+        """What unit ``ui``'s state entry means: ``(plain, offloaded, saved, forward seconds per op, seconds per
+        call)``; a plain unit saves nothing, not even its escaping outputs (NOTE [Plain regions])."""
+        if cached == PLAIN:
+            return True, set(), set(), self.plain_costs[0], self.plain_costs[2]
+        on_device, offloaded = kept_split(cached)
+        return False, offloaded, self.units[ui].forced_save | on_device | offloaded, self.per_op, self.per_call
 
     def _replay(self, ui: int, ii: int, saved: set[int], bursts: list, seconds: "_ExactSum",
                 plain: bool = False) -> None:
@@ -283,10 +288,7 @@ class Simulator:
 
     def _unit_time_of(self, ui: int, cached: frozenset[int]):
         unit = self.units[ui]
-        plain = cached == PLAIN
-        on_device, offloaded = kept_split(cached)
-        saved = set() if plain else unit.forced_save | on_device | offloaded
-        per_op, per_call = (self.plain_costs[0], self.plain_costs[2]) if plain else (self.per_op, self.per_call)
+        plain, offloaded, saved, per_op, per_call = self._entry(ui, cached)
         base = _ExactSum()
         lane = _ExactSum()
         offloads = []

@@ -185,12 +185,12 @@ class StepRecording:
         overhead] in runtime/calibrate.py), measured now that the step is over. A recording inside a live step
         (finished from a backward callback) only reads what was measured before; empty (the planner's fallback)
         if nothing was."""
-        from libra.runtime.calibrate import RegionCosts, cached_region_costs, region_costs  # runtime imports us
+        from libra.runtime.calibrate import cached_region_costs, region_costs  # runtime imports us
 
         sizes = sorted(storages[s].nbytes for o in ops if not o.backward for s in o.outputs)
         typical = sizes[len(sizes) // 2] if sizes else 0
         if self.root_entered:
-            return cached_region_costs(self.device, typical) or RegionCosts(())
+            return cached_region_costs(self.device, typical) or ()
         return region_costs(self.device, typical)
 
     def finish(self) -> Profile:

@@ -6,8 +6,9 @@ of both passes. On a 2-core CPU with torch 2.13 this measured 30-50 us per op in
 several times a do-nothing dispatch mode on a tiny ``add`` (the profile's ``dispatch_overhead_seconds``, ~3 us):
 a planner that costs regions by the latter checkpoints blocks that save little and predicts 1.2x where 1.4x is
 measured. So the profiler measures it: a small block of the usual ops (layer norm, linear, GELU, scaling, residual
-add; no in-place ops, which a region that keeps everything would copy) run forward and backward eagerly and under a region whose every output is kept (nothing recomputed, so what
-remains is the executor's own cost), at depths 1 and 3 so that the per-op cost and checkpoint's fixed cost per call
+add; no in-place ops, which a region that keeps everything would copy) run forward and backward eagerly and under
+a region whose every output is kept (nothing recomputed, so what remains is the executor's own cost), at depths 1
+and 3 so that the per-op cost and checkpoint's fixed cost per call
 separate. The cost grows with the tensors' size (measured per op, forward / replay: 18 / 21 us at 16 KiB,
 30 / 60 us at 512 KiB, 60 / 150 us at 2 MiB, one thread), so the block is sized like the profiled step: its
 activations have the median size of the step's forward outputs, rounded to a power of two (each size measured once
@@ -38,26 +39,10 @@ _WIDTH = 256
 _MAX_ROWS = 2048  # 2 MiB activations at most: larger ones cost the calibration more than they tell
 
 
-class RegionCosts(tuple):
-    """``(forward_op, replay_op, call, plain_forward_op, plain_replay_op, plain_call)`` seconds: added per op in
-    the forward, per op in the replay and per call, by Libra's region modes and by plain checkpoint (NOTE [Plain
-    regions]); a replay's recomputed ops' own time is not included."""
-
-    @property
-    def forward_op(self) -> float:
-        return self[0]
-
-    @property
-    def replay_op(self) -> float:
-        return self[1]
-
-    @property
-    def call(self) -> float:
-        return self[2]
-
-    @property
-    def plain(self) -> tuple[float, float, float]:
-        return self[3], self[4], self[5]
+# A measurement: ``(forward_op, replay_op, call, plain_forward_op, plain_replay_op, plain_call)`` seconds added per
+# op in the forward, per op in the replay and per call, by Libra's region modes and by plain checkpoint (NOTE [Plain
+# regions]); a replay's recomputed ops' own time is not included. The order of ``Profile.region_costs``.
+RegionCosts = tuple[float, float, float, float, float, float]
 
 
 class _Layer(nn.Module):
@@ -186,7 +171,7 @@ def region_costs(device: torch.device | str, nbytes: int = 512 * 1024) -> Region
             replay_op = max(((t3 - f3) - (t1 - f1)) / (n3 - n1), 0.0)
             return forward_op, replay_op, max(t1 - (forward_op + replay_op) * n1, 0.0)
 
-        _CACHE[key] = RegionCosts(fit(f1, t1, f3, t3) + fit(pf1, pt1, pf3, pt3))
+        _CACHE[key] = fit(f1, t1, f3, t3) + fit(pf1, pt1, pf3, pt3)
         log.debug("libra: region executor costs on %s at %d-byte activations: %.1f us per forward op, %.1f us per "
                   "replayed op, %.0f us per call (plain checkpoint: %.1f, %.1f, %.0f)", device, rows * _WIDTH * 4,
                   *(c * 1e6 for c in _CACHE[key]))

@@ -40,7 +40,7 @@ import heapq
 
 import numpy as np
 
-from libra.planner.simulate import PLAIN, Simulator, State, TimeModel
+from libra.planner.simulate import PLAIN, SimResult, Simulator, State, TimeModel
 from libra.planner.solvers.effects import OFFLOAD, Effects, PeakTree
 
 __all__ = ["Front", "default_ladder", "LADDER_STEPS"]
@@ -276,25 +276,32 @@ class Front:
         return None
 
 
+def plainify(sim: Simulator, state: State, cap: int | None) -> tuple[State, SimResult]:
+    """``state`` with units turned plain, one at a time in forward order, wherever that makes it faster and keeps
+    the simulated peak at most ``cap`` (None: any peak); with its simulated result (NOTE [Plain regions])."""
+    best, current = sim.run(state), dict(state)
+    if sim.plain_costs is None:
+        return current, best
+    for ui in sorted(state, key=lambda u: sim.units[u].instances[0].start):
+        if not sim.units[ui].plain_ok or current[ui] == PLAIN:
+            continue
+        trial = dict(current)
+        trial[ui] = PLAIN
+        got = sim.run(trial)
+        if got.added_seconds < best.added_seconds and (cap is None or got.peak_bytes <= cap):
+            best, current = got, trial
+    return current, best
+
+
 def plain_variants(sim: Simulator, state: State) -> list[tuple[float, int, State]]:
-    """``state`` with units turned plain where that makes it faster, in forward order: once whatever the peak, once
-    never above ``state``'s own. ``(added seconds, peak, state)`` of each variant that differs from ``state``;
-    none when the profile has no measured plain-checkpoint costs."""
+    """``state`` with units turned plain where that makes it faster: once whatever the peak, once never above
+    ``state``'s own. ``(added seconds, peak, state)`` of each variant that differs from ``state``; none when the
+    profile has no measured plain-checkpoint costs."""
     if sim.plain_costs is None or not state:
         return []
-    start = sim.run(state)
-    order = sorted(state, key=lambda u: sim.units[u].instances[0].start)
     out = []
-    for cap in (None, start.peak_bytes):
-        best, current = start, dict(state)
-        for ui in order:
-            if not sim.units[ui].plain_ok or current[ui] == PLAIN:
-                continue
-            trial = dict(current)
-            trial[ui] = PLAIN
-            got = sim.run(trial)
-            if got.added_seconds < best.added_seconds and (cap is None or got.peak_bytes <= cap):
-                best, current = got, trial
+    for cap in (None, sim.run(state).peak_bytes):
+        current, best = plainify(sim, state, cap)
         if current != state and all(current != v for _, _, v in out):
             out.append((best.added_seconds, best.peak_bytes, current))
     return out
