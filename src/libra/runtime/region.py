@@ -7,7 +7,9 @@ NOTE [Region executor contract]
   (copy-on-write), so the cache always holds values as they were produced. If the op sequence leaves the profiled
   one, the rest of the region saves every fresh output: more memory, never a wrong value.
 - Replay (``_ReplayMode``): ops run in the recorded order; cached ops return their kept outputs without running (so
-  BatchNorm never updates running stats twice when saved); replayed ops that write module state (running stats,
+  BatchNorm never updates running stats twice when saved), as clones where the forward went on to write them in
+  place (the replay writes them again, and a second replay, after ``retain_graph=True``, must find them as they
+  were produced); replayed ops that write module state (running stats,
   ``num_batches_tracked``) write to private copies. Replayed random ops see the generator exactly as in forward:
   checkpoint restores the state at region start, and after a cached random op the state it left is restored.
   NOTE [Own generators]: checkpoint saves and restores only the default generators. A random op handed its own
@@ -191,6 +193,7 @@ class RegionRun:
         self.cache: dict[int, object] = {}  # local op index -> outputs (detached)
         self.versions: dict[int, list[int]] = {}  # local op index -> version counters of the cached outputs
         self.cached_by_storage: dict[int, list[int]] = {}
+        self.written: set[int] = set()  # cached ops whose outputs the forward then wrote in place (copy-on-write)
         self.rng_after: dict[int, list] = {}
         self.gen_before: dict[int, tuple] = {}  # NOTE [Own generators]: op -> (its generator, state before it)
         self.following = True  # the forward still matches the profiled op sequence
@@ -270,6 +273,7 @@ class RegionRun:
             for t in tensors_in(value):
                 key = storage_key(t)
                 for index in self.cached_by_storage.pop(key, ()):
+                    self.written.add(index)
                     self.cache[index] = _map_only(
                         torch.Tensor, lambda c: c.clone() if storage_key(c) == key else c, self.cache[index]
                     )
@@ -359,6 +363,8 @@ class _ReplayMode(_RegionMode):
             if index in r.rng_after:
                 _restore_generators(r.rng_after[index])
             out = _map_only(torch.Tensor, _detach, _on_device(r, cached) if r.offload else cached)
+            if index in r.written:  # the replay writes it again: never into the cache (a later replay reads it)
+                out = _map_only(torch.Tensor, torch.Tensor.clone, out)
         elif skipped:  # NOTE [Dead ops in a replay]
             if index in r.rng_after:
                 _restore_generators(r.rng_after[index])
