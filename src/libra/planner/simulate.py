@@ -136,6 +136,10 @@ class Simulator:
         self._free = self.free.tolist()
         self._python_end = self.python_end.tolist()
         self._op_time = self.op_time.tolist()
+        allocated = np.zeros(n + 1, dtype=np.int64)  # bytes each op allocates (NOTE [Replay moment])
+        made = np.array([s.alloc_op >= 0 for s in st], dtype=bool)
+        np.add.at(allocated, self.alloc[made], self.nbytes[made])
+        self._allocated_at = allocated.tolist()
         self._skips: dict[tuple[int, frozenset[int]], set[int]] = {}
         # per instance: local op -> positions (into inst.sids) of the storages it allocates
         self._outputs_of: list[list[dict[int, list[int]]]] = []
@@ -159,7 +163,8 @@ class Simulator:
 
         Returns ``(intervals, copies, bursts, seconds)``: storage -> its one live interval ``[start, end]`` for every
         storage the plan touches; extra copies ``[start, end, storage]`` (a cache clone, a replayed escaping storage,
-        a prefetched offload); ``(op, bytes)`` transient replay peaks; and the added seconds. The cost is linear in
+        a prefetched offload); ``(op, bytes, unit)`` replay peaks above the live bytes after ``op``
+        (NOTE [Replay moment]); and the added seconds. The cost is linear in
         the size of the units in ``state``, not in the length of the profile.
         """
         n = self.n
@@ -203,6 +208,9 @@ class Simulator:
                     elif local in saved:
                         if inst.mutated_at[k] >= 0:  # the cache holds a copy-on-write clone, not the storage
                             extra_copies.append([inst.mutated_at[k], last, s])
+                            if inst.t_r >= 0 and inst.packed[k] and inst.bwd_end[k] >= inst.t_r:
+                                # and the replay, which writes it again, gets a clone of that clone
+                                extra_copies.append([inst.t_r, inst.bwd_end[k], s])
                         else:
                             holders.setdefault(s, []).append(last)
                     elif inst.packed[k] and inst.t_r >= 0 and inst.bwd_end[k] >= inst.t_r:
@@ -238,8 +246,18 @@ class Simulator:
 
     def _replay(self, ui: int, ii: int, saved: set[int], bursts: list, seconds: "_ExactSum",
                 plain: bool = False) -> None:
-        """Appends the transient peak of one region's replay at its t_r to ``bursts``, and its seconds to
-        ``seconds``."""
+        """Appends the transient peak of one region's replay to ``bursts``, and its seconds to ``seconds``.
+
+        NOTE [Replay moment]: ``t_r`` is the op about to run when the region's first saved tensor was unpacked, so
+        the replay runs after op ``t_r - 1`` has let go of what it frees and before op ``t_r`` allocates anything.
+        The curve has no point there; the point after op ``t_r`` stands for both moments: it has everything live at
+        the replay except what op ``t_r`` allocates, plus the replayed saved storages, which live on as copies from
+        ``t_r``. So the replay adds its peak less those copies and less op ``t_r``'s own allocations, when that is
+        positive (charging it on top of op ``t_r``'s outputs over-counted a U-Net's minimum by one 8 MiB gradient;
+        on top of the point after ``t_r - 1``, by what that op freed). The replay runs the module's own Python, so
+        what held a storage in the forward holds it again: an unsaved storage lives to its eager end, within the
+        replay.
+        """
         unit = self.units[ui]
         inst = unit.instances[ii]
         nb = self._nbytes
@@ -254,15 +272,16 @@ class Simulator:
                 size = nb[inst.sids[k]]
                 cur += size
                 if inst.packed[k]:
-                    kept += size
+                    if inst.bwd_end[k] >= inst.t_r:  # a copy in the curve from t_r (see _plan)
+                        kept += size
                 else:
-                    end = min(inst.fwd_end[k] - inst.start, span - 1)
+                    end = min(max(inst.fwd_end[k], self._free[inst.sids[k]]) - inst.start, span - 1)
                     frees[end] = frees.get(end, 0) + size
             peak = max(peak, cur)
             cur -= frees.pop(local, 0)
-        extra = peak - kept
+        extra = peak - kept - self._allocated_at[inst.t_r]
         if extra > 0:
-            bursts.append((inst.t_r, extra))
+            bursts.append((inst.t_r, extra, ui))
         self._replay_seconds(ui, ii, saved, seconds, plain)
 
     def _replay_seconds(self, ui: int, ii: int, saved: set[int], seconds: "_ExactSum", plain: bool = False) -> None:
@@ -336,7 +355,7 @@ class Simulator:
             val.append(nb[src])
             pos.append(min(e, n) + 1)
             val.append(-nb[src])
-        for t, extra in bursts:
+        for t, extra, _ in bursts:
             pos.append(t)
             val.append(extra)
             pos.append(t + 1)
@@ -370,8 +389,14 @@ class Simulator:
                 del self._recent[next(iter(self._recent))]
         return got
 
+    def replays_at(self, state: State, t: int) -> list[tuple[int, int]]:
+        """(unit, bytes) of the replays that run right before op ``t`` under ``state``: what each adds to the live
+        bytes after ``t`` (NOTE [Replay moment])."""
+        return [(ui, extra) for pos, extra, ui in self._plan(state)[2] if pos == t]
+
     def live_at(self, state: State, t: int) -> list[tuple[int, int]]:
-        """(storage id, bytes) of every storage live at op ``t`` under ``state``, largest first."""
+        """(storage id, bytes) of every storage live at op ``t`` under ``state``, largest first (replays that run
+        after op ``t`` are not storages of the timeline: :meth:`replays_at`)."""
         intervals, copies, _, _ = self._plan(state)
         out = []
         for s in range(len(self.nbytes)):
