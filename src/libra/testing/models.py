@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["MLP", "GPT", "ResNet", "make_mlp", "make_gpt", "make_resnet"]
+__all__ = ["MLP", "GPT", "ResNet", "UNet", "Mixer", "make_mlp", "make_gpt", "make_resnet", "make_unet", "make_mixer"]
 
 
 class MLPBlock(nn.Module):
@@ -134,6 +134,112 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+# ---- U-Net ----------------------------------------------------------------------------------------------------------
+class DoubleConv(nn.Module):
+    """(3x3 conv, BatchNorm, ReLU) twice, optionally with channel dropout at the end."""
+
+    def __init__(self, cin: int, cout: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.drop = nn.Dropout2d(dropout) if dropout else nn.Identity()
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        return self.drop(F.relu(self.bn2(self.conv2(x))))
+
+
+class Down(nn.Module):
+    def __init__(self, cin: int, cout: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.conv = DoubleConv(cin, cout, dropout)
+
+    def forward(self, x):
+        return self.conv(F.max_pool2d(x, 2))
+
+
+class Up(nn.Module):
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.up = nn.ConvTranspose2d(cin, cin // 2, 2, stride=2)
+        self.conv = DoubleConv(cin // 2 + cout, cout)
+
+    def forward(self, x, skip):
+        return self.conv(torch.cat([self.up(x), skip], dim=1))
+
+
+class UNet(nn.Module):
+    """U-Net-like segmentation model: an encoder whose every stage's output is carried by a long skip connection to
+    the decoder stage of the same resolution, BatchNorm (train mode) and channel dropout at the bottleneck."""
+
+    def __init__(self, widths=(16, 32, 64, 128), classes: int = 4, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.inc = DoubleConv(3, widths[0])
+        self.downs = nn.ModuleList(
+            Down(widths[i], widths[i + 1], dropout if i == len(widths) - 2 else 0.0) for i in range(len(widths) - 1)
+        )
+        self.ups = nn.ModuleList(Up(widths[i + 1], widths[i]) for i in reversed(range(len(widths) - 1)))
+        self.head = nn.Conv2d(widths[0], classes, 1)
+
+    def forward(self, x):
+        x = self.inc(x)
+        skips = [x]
+        for down in self.downs:
+            x = down(x)
+            skips.append(x)
+        skips.pop()
+        for up in self.ups:
+            x = up(x, skips.pop())
+        return self.head(x)
+
+
+# ---- MLP-Mixer ------------------------------------------------------------------------------------------------------
+class MixerMLP(nn.Module):
+    def __init__(self, d: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.drop(self.fc2(self.drop(F.gelu(self.fc1(x)))))
+
+
+class MixerBlock(nn.Module):
+    def __init__(self, tokens: int, d: int, token_hidden: int, channel_hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.token_mlp = MixerMLP(tokens, token_hidden, dropout)
+        self.ln2 = nn.LayerNorm(d)
+        self.channel_mlp = MixerMLP(d, channel_hidden, dropout)
+
+    def forward(self, x):
+        x = x + self.token_mlp(self.ln1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.channel_mlp(self.ln2(x))
+
+
+class Mixer(nn.Module):
+    """MLP-Mixer-like image classifier: patch embedding, blocks of token-mixing and channel-mixing MLPs with
+    LayerNorm and dropout, mean pooling, linear head."""
+
+    def __init__(self, image: int = 64, patch: int = 8, d: int = 256, depth: int = 8, token_hidden: int = 128,
+                 channel_hidden: int = 1024, classes: int = 10, dropout: float = 0.1) -> None:
+        super().__init__()
+        tokens = (image // patch) ** 2
+        self.stem = nn.Conv2d(3, d, patch, stride=patch)
+        self.blocks = nn.ModuleList(MixerBlock(tokens, d, token_hidden, channel_hidden, dropout) for _ in range(depth))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        x = self.stem(x).flatten(2).transpose(1, 2)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x).mean(dim=1))
+
+
 def make_mlp(batch: int = 64, seed: int = 0, **kw):
     """(model, inputs, targets, loss_fn) for a residual MLP."""
     torch.manual_seed(seed)
@@ -162,3 +268,19 @@ def make_resnet(batch: int = 8, size: int = 32, seed: int = 0, **kw):
     torch.manual_seed(seed)
     model = ResNet(**kw)
     return model, torch.randn(batch, 3, size, size), torch.randint(0, model.fc.out_features, (batch,)), F.cross_entropy
+
+
+def make_unet(batch: int = 4, size: int = 32, seed: int = 0, **kw):
+    """(model, images, targets, loss_fn) for a U-Net-like segmentation model (per-pixel classes)."""
+    torch.manual_seed(seed)
+    model = UNet(**kw)
+    x = torch.randn(batch, 3, size, size)
+    return model, x, torch.randint(0, model.head.out_channels, (batch, size, size)), F.cross_entropy
+
+
+def make_mixer(batch: int = 16, seed: int = 0, **kw):
+    """(model, images, targets, loss_fn) for an MLP-Mixer-like classifier."""
+    torch.manual_seed(seed)
+    model = Mixer(**kw)
+    image = kw.get("image", 64)
+    return model, torch.randn(batch, 3, image, image), torch.randint(0, model.head.out_features, (batch,)), F.cross_entropy
