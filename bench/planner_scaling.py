@@ -43,7 +43,7 @@ def scaling_row(n_blocks: int) -> dict:
     t0 = time.perf_counter()
     base = Planning(prof)
     budget = max(prof.budget_for_share(SHARE), base.min_budget_bytes())
-    target = budget - base.margin_bytes
+    target = base.target_bytes(budget)
     raw = greedy.solve_at(base.sim, target, base.effects, base.kinds)
     raw_seconds = time.perf_counter() - t0
     raw_result = base.sim.run(raw)
@@ -108,7 +108,7 @@ def monotonicity() -> dict:
                 if solve is None:
                     seconds = libra.plan(planning, budget).predicted_step_seconds
                 else:
-                    state = solve(planning.sim, budget - planning.margin_bytes, planning.effects)
+                    state = solve(planning.sim, planning.target_bytes(budget), planning.effects)
                     seconds = prof.eager_step_seconds + planning.sim.run(state).added_seconds
                 if prev is not None:
                     steps += 1

@@ -223,7 +223,7 @@ def max_batch(
         minimum = planning.min_budget_bytes()
         # the line is drawn through the lowest peak the planner reaches, not its minimum with eager's peak:
         # at small sizes, where nothing is worth evicting, that minimum is eager's and bends the line
-        lowest = planning.full.peak_bytes + planning.margin_bytes
+        lowest = planning.lowest_peak_bytes()
         made = None
         if minimum <= budget_bytes:
             try:

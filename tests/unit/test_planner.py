@@ -42,16 +42,24 @@ def test_greedy_within_3_percent_of_milp(steady, share, request):
     if (planning.name, share) == ("resnet", 0.75):
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
             "greedy checkpoints three half-used bottleneck blocks where the MILP fully uses two: leaving two units "
-            "for one other is an exchange the greedy's polish (one unit at a time) does not find; 1.31x")))
+            "for one other is an exchange the greedy's polish (one unit at a time) does not find; 1.33x")))
     prof = planning.profile
-    budget = planning.min_budget_bytes() if share == "min" else prof.budget_for_share(share)
-    target = budget - planning.margin_bytes
-    g = greedy.solve(planning.sim, target, planning.effects)
-    m = milp.solve(planning.sim, target, planning.effects)
-    assert g is not None and m is not None
-    rg, rm = planning.sim.run(g), planning.sim.run(m)
-    assert rg.peak_bytes <= target and rm.peak_bytes <= target
-    assert rg.added_seconds <= 1.03 * rm.added_seconds + 1e-9
+    solved = 0
+    for sel in planning.selections:  # each region granularity (NOTE [Region granularity])
+        # "min": the lowest peak both solvers start their search from, every candidate evicted
+        target = sel.full.peak_bytes if share == "min" else planning.target_bytes(prof.budget_for_share(share))
+        g = greedy.solve(sel.sim, target, sel.effects)
+        m = milp.solve(sel.sim, target, sel.effects)
+        if sel.full.peak_bytes > target:
+            assert g is None and m is None
+            continue
+        assert g is not None and m is not None
+        rg, rm = sel.sim.run(g), sel.sim.run(m)
+        assert rg.peak_bytes <= target and rm.peak_bytes <= target
+        assert rg.added_seconds <= 1.03 * rm.added_seconds + 1e-9, (sel.granularity, rg.added_seconds,
+                                                                     rm.added_seconds)
+        solved += 1
+    assert solved
 
 
 def test_milp_through_plan(case):

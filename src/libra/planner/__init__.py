@@ -6,7 +6,7 @@ import logging
 import time
 
 from libra.errors import BudgetInfeasibleError, LibraError
-from libra.planner.regions import Unit, analyse
+from libra.planner.regions import GRANULARITIES, Unit, analyse
 from libra.planner.simulate import PLAIN, SimResult, Simulator, State, kept_split
 from libra.planner.solvers import front, greedy, milp
 from libra.planner.types import PLAN_SCHEMA_VERSION, Decision, Plan, RegionPlan
@@ -19,11 +19,17 @@ log = logging.getLogger("libra")
 
 _SOLVERS = ("greedy", "milp")
 
-# NOTE [Safety margin]: the simulator knows when autograd lets go of a storage, but not every Python reference (a
-# local variable of a forward that is still running). Measured on the test models, this leaves the prediction under
-# the measured peak by at most about 0.5% of eager's activation bytes. Plans are made against the budget less 1% of
-# eager's activation bytes, so the measured peak stays under the budget; the reported minimum includes the margin.
+# NOTE [Safety margin]: the simulator knows when autograd lets go of a storage, and assumes a forward's local
+# variables hold what they made until that module call returns, but it cannot see every Python reference. Plans keep
+# 1% of eager's activation bytes under the budget where that costs nothing: a budget at least that far above the
+# lowest peak the planner reaches is planned against the budget less the margin; a budget closer to it is planned
+# against the lowest peak itself (the target never falls as the budget rises, so larger budgets are never slower).
+# The minimum the planner names is that lowest peak: on the test and benchmark models the meter measures it to the
+# byte or below (the tests run every model at its named minimum), and it is what per-block checkpointing reaches
+# where the planner's plan is that checkpointing.
 SAFETY_MARGIN = 0.01
+
+_MINIMUM_ROUNDS = 8  # greedy solves, each one byte under the last, that Selection.minimum tries at most
 
 
 _DECISIONS = frozenset({"keep", "recompute", "offload"})
@@ -45,8 +51,83 @@ def _host_bandwidth(profile: Profile, host_bandwidth: float | None) -> float | N
     return None
 
 
+class Selection:
+    """One choice of regions over a profile (NOTE [Region granularity] in ``regions.py``): its decision units, their
+    simulator, and the solvers' measured effects, built when first asked for."""
+
+    def __init__(self, profile: Profile, granularity: str, host_bandwidth: float | None, kinds: tuple) -> None:
+        self.granularity = granularity
+        self.kinds = kinds
+        self.units, self.rejected = analyse(profile, granularity)
+        self.sim = Simulator(profile, self.units, host_bandwidth)
+        self._effects: greedy.Effects | None = None
+        self._full_state: State | None = None
+        self._lowest_state: State | None = None
+        self._minimum: tuple[State, SimResult] | None = None
+
+    @property
+    def keys(self) -> tuple:
+        return tuple((u.module, u.call) for u in self.units)
+
+    @property
+    def full_state(self) -> State:
+        """Every candidate of every unit evicted ({} when the planner may only keep)."""
+        if self._full_state is None:
+            self._full_state = greedy.full_state(self.sim, self.kinds) if self.kinds else {}
+        return self._full_state
+
+    @property
+    def full(self) -> SimResult:
+        return self.sim.run(self.full_state)
+
+    @property
+    def lowest_state(self) -> State:
+        """The full state less every unit whose checkpointing does not lower its peak (the last block in forward,
+        replayed as soon as backward starts, typically): the lowest peak, for less time."""
+        if self._lowest_state is None:
+            state = dict(self.full_state)
+            peak = self.sim.run(state).peak_bytes
+            # backward order: the first units to replay are the likeliest to gain nothing
+            for ui in sorted(state, key=lambda u: -self.units[u].instances[0].start):
+                trial = {u: c for u, c in state.items() if u != ui}
+                if self.sim.run(trial).peak_bytes <= peak:
+                    state = trial
+                    peak = self.sim.run(state).peak_bytes
+            self._lowest_state = state
+        return self._lowest_state
+
+    @property
+    def lowest(self) -> SimResult:
+        return self.sim.run(self.lowest_state)
+
+    @property
+    def minimum(self) -> tuple[State, SimResult]:
+        """The plan of the lowest peak found here, and its result: the lowest state (units turned plain where that
+        is faster at the same peak, NOTE [Plain regions]), then the greedy asked for one byte less while it finds
+        a plan (keeping some activations can lower the peak: a kept one spares a replay at the peak's moment)."""
+        if self._minimum is None:
+            state, got = front.plainify(self.sim, self.lowest_state, self.lowest.peak_bytes)
+            for _ in range(_MINIMUM_ROUNDS):
+                lower = greedy.solve(self.sim, got.peak_bytes - 1, self.effects)
+                if lower is None:
+                    break
+                state, got = lower, self.sim.run(lower)
+            self._minimum = (state, got)
+        return self._minimum
+
+    @property
+    def effects(self) -> greedy.Effects:
+        if self._effects is None:
+            self._effects = greedy.Effects(self.sim, self.kinds)
+        return self._effects
+
+
 class Planning:
     """The analysis of one profile, reused across budgets: regions, simulator, solver effects.
+
+    The profile is analysed with each region granularity (NOTE [Region granularity]); ``selections`` holds the
+    distinct ones, finest first, and :func:`plan` takes the faster plan among them. ``units``, ``sim``,
+    ``effects`` and ``full_state`` are the finest selection's.
 
     Args:
         profile: from :func:`libra.profile`.
@@ -78,28 +159,26 @@ class Planning:
                 "Fix: pass host_bandwidth=... in bytes per second."
             )
         self.kinds = tuple(kinds)
-        self.units, self.rejected = analyse(profile)
-        self.sim = Simulator(profile, self.units, self.host_bandwidth)
+        self.selections: list[Selection] = []
+        for granularity in GRANULARITIES:
+            sel = Selection(profile, granularity, self.host_bandwidth, self.kinds)
+            if all(sel.keys != other.keys for other in self.selections):
+                self.selections.append(sel)
+        first = self.selections[0]
+        self.units, self.rejected, self.sim = first.units, first.rejected, first.sim
         self.eager = self.sim.run({})
-        self._effects: greedy.Effects | None = None
-        self._full_state: State | None = None
 
     @property
     def full_state(self) -> State:
-        """Every candidate evicted: the lowest peak the planner reaches ({} when it may only keep)."""
-        if self._full_state is None:
-            self._full_state = greedy.full_state(self.sim, self.kinds) if self.kinds else {}
-        return self._full_state
+        return self.selections[0].full_state
 
     @property
     def full(self) -> SimResult:
-        return self.sim.run(self.full_state)
+        return self.selections[0].full
 
     @property
     def effects(self) -> greedy.Effects:
-        if self._effects is None:
-            self._effects = greedy.Effects(self.sim, self.kinds)
-        return self._effects
+        return self.selections[0].effects
 
     def matches(self, host_bandwidth, decisions) -> bool:
         want = frozenset(decisions) if not isinstance(decisions, str) else frozenset({decisions})
@@ -109,9 +188,75 @@ class Planning:
     def margin_bytes(self) -> int:
         return int(SAFETY_MARGIN * max(self.profile.eager_peak_bytes - self.profile.static_bytes, 0))
 
+    def _lowest_of(self, sel: Selection) -> tuple[State, SimResult]:
+        if "keep" not in self.decisions or not self.kinds:
+            return sel.full_state, sel.full
+        return sel.minimum
+
+    @property
+    def lowest(self) -> Selection:
+        """The selection that reaches the lowest peak (the first among equals)."""
+        return min(self.selections, key=lambda sel: self._lowest_of(sel)[1].peak_bytes)
+
+    def lowest_state(self) -> State:
+        """The plan state of the lowest peak the planner reaches, in :attr:`lowest`."""
+        return self._lowest_of(self.lowest)[0]
+
+    def lowest_peak_bytes(self) -> int:
+        """The lowest peak the planner reaches (``Selection.minimum`` of the best selection; with only
+        ``"offload"``/``"recompute"`` allowed, every candidate evicted)."""
+        return self._lowest_of(self.lowest)[1].peak_bytes
+
     def min_budget_bytes(self) -> int:
         """The smallest budget :func:`plan` accepts for this profile."""
-        return min(self.full.peak_bytes + self.margin_bytes, self.eager.peak_bytes)
+        return min(self.lowest_peak_bytes(), self.eager.peak_bytes)
+
+    def target_bytes(self, budget: int) -> int:
+        """The peak plans for ``budget`` are made to stay under (NOTE [Safety margin])."""
+        return max(budget - self.margin_bytes, min(budget, self.lowest_peak_bytes()))
+
+    def solve(self, budget: int, solver: str = "greedy", time_limit: float = 60.0) -> tuple[Selection, State] | None:
+        """The fastest plan for ``budget`` bytes among the selections, as ``(selection, state)``; None when none
+        fits. Equal predicted times go to the finer selection."""
+        best = None
+        target = self.target_bytes(budget)
+        for sel in self.selections:
+            state = self._solve_in(sel, budget, target, solver, time_limit)
+            if state is None:
+                continue
+            added = sel.sim.run(state).added_seconds
+            if best is None or added < best[0]:
+                best = (added, sel, state)
+        return None if best is None else (best[1], best[2])
+
+    def _solve_in(self, sel: Selection, budget: int, target: int, solver: str, time_limit: float) -> State | None:
+        if "keep" not in self.decisions:
+            return sel.full_state if sel.full.peak_bytes <= target else None
+        if budget >= self.eager.peak_bytes:
+            return {}
+        if not self.kinds:
+            return None
+        if solver == "milp":
+            # NOTE [MILP incumbent]: the program is linear in the measured effects, the simulator is not (regions
+            # interact), so HiGHS's optimum can simulate a hair slower than the greedy's plan, or the program can
+            # miss a plan the simulator accepts. The greedy's verified plan is the incumbent; the cheaper simulated
+            # one wins.
+            state = milp.solve(sel.sim, target, sel.effects, time_limit=time_limit)
+            incumbent = greedy.solve(sel.sim, target, sel.effects)
+            if incumbent is not None and (
+                state is None or sel.sim.run(incumbent).added_seconds < sel.sim.run(state).added_seconds
+            ):
+                state = incumbent
+            if state:  # the greedy's family has plain variants already (NOTE [Plain regions])
+                state = front.plainify(sel.sim, state, target)[0]
+        else:
+            state = greedy.solve(sel.sim, target, sel.effects)
+        # the solvers search from every candidate evicted: below that peak only the lowest state fits, and it may
+        # be the faster plan above it too (it never changes with the target, so larger budgets stay never slower)
+        low_state, low = sel.minimum
+        if low.peak_bytes <= target and (state is None or low.added_seconds < sel.sim.run(state).added_seconds):
+            state = low_state
+        return state
 
     # ---- building the Plan ---------------------------------------------------------------------------------
     def _op_keys(self) -> list[str]:
@@ -136,13 +281,17 @@ class Planning:
             keys.append(f"{where}:{o.name}#{occ}")
         return keys
 
-    def build(self, state: State, budget: int, result: SimResult, solver: str, seconds: float) -> Plan:
+    def build(self, state: State, budget: int, result: SimResult, solver: str, seconds: float,
+              selection: Selection | None = None) -> Plan:
+        """The Plan of ``state`` over ``selection``'s units (default: the finest selection)."""
+        sel = selection or self.selections[0]
+        units = sel.units
         prof = self.profile
         recomputed_ops: set[int] = set()
         offloaded_ops: set[int] = set()
         regions = []
-        for ui in sorted(state, key=lambda u: self.units[u].instances[0].start):
-            unit = self.units[ui]
+        for ui in sorted(state, key=lambda u: units[u].instances[0].start):
+            unit = units[ui]
             plain = state[ui] == PLAIN
             on_device, offloaded = kept_split(state[ui])
             saved = set() if plain else unit.forced_save | on_device | offloaded
@@ -158,7 +307,7 @@ class Planning:
                     offload=sorted(offloaded),
                     protect={k: list(v) for k, v in sorted(unit.protect.items())},
                     input_shapes=[list(s) for s in unit.input_shapes],
-                    skip=[] if plain else sorted(self.sim.skip_of(ui, saved)),
+                    skip=[] if plain else sorted(sel.sim.skip_of(ui, saved)),
                     plain=plain,
                 )
             )
@@ -175,13 +324,7 @@ class Planning:
             else:
                 decision = Decision.KEEP
             decisions.setdefault(keys[producer], decision)
-        op = prof.ops[result.peak_op] if prof.ops else None
-        where = (
-            f"op #{result.peak_op} {op.name} in {'backward' if op.backward else 'forward'}"
-            f"{' of ' + repr(op.module) if op.module else ''}"
-            if op
-            else "no ops"
-        )
+        where = self._moment(state, result.peak_op, sel)
         return Plan(
             budget_bytes=budget,
             predicted_peak_bytes=result.peak_bytes,
@@ -200,12 +343,29 @@ class Planning:
             input_signature=list(prof.input_signature),
         )
 
-    def contributors(self, state: State, t: int, limit: int = 5) -> list[str]:
-        """The biggest storages live at op ``t``, as readable lines."""
+    def _moment(self, state: State, t: int, sel: Selection) -> str:
+        """Where op ``t`` is, in words; a replay that runs right before it (NOTE [Replay moment]) and makes the peak
+        there is named."""
+        prof = self.profile
+        if not prof.ops:
+            return "no ops"
+        op = prof.ops[t]
+        where = (f"op #{t} {op.name} in {'backward' if op.backward else 'forward'}"
+                 f"{' of ' + repr(op.module) if op.module else ''}")
+        replays = sel.sim.replays_at(state, t)
+        if replays:
+            where = f"the replay of {sel.units[replays[0][0]].module!r} before {where}"
+        return where
+
+    def contributors(self, state: State, t: int, limit: int = 5, selection: Selection | None = None) -> list[str]:
+        """The biggest storages live at op ``t`` under ``state`` over ``selection``'s units, as readable lines."""
+        sel = selection or self.selections[0]
         prof = self.profile
         keys = self._op_keys()
         lines = []
-        for sid, nbytes in self.sim.live_at(state, t)[:limit]:
+        for ui, nbytes in sel.sim.replays_at(state, t):
+            lines.append(f"{format_bytes(nbytes):>10}  the replay of {sel.units[ui].module!r} (what it recomputes)")
+        for sid, nbytes in sel.sim.live_at(state, t)[:limit]:
             rec = prof.storages[sid]
             what = keys[rec.producer] if rec.producer >= 0 else ("static (parameters, gradients, inputs...)" if rec.static else "opaque")
             lines.append(f"{format_bytes(nbytes):>10}  {what}")
@@ -262,29 +422,12 @@ def plan(
     else:
         base = profile.profile if isinstance(profile, Planning) else profile
         planning = Planning(base, host_bandwidth, _DECISIONS if decisions is None else decisions)
-    target = budget_bytes - planning.margin_bytes
-    state: State | None
-    if "keep" not in planning.decisions:
-        state = planning.full_state if planning.full.peak_bytes <= target else None
-    elif budget_bytes >= planning.eager.peak_bytes:
-        state = {}
-    elif not planning.kinds:
-        state = None
-    elif solver == "milp":
-        # NOTE [MILP incumbent]: the program is linear in the measured effects, the simulator is not (regions
-        # interact), so HiGHS's optimum can simulate a hair slower than the greedy's plan, or the program can miss a
-        # plan the simulator accepts. The greedy's verified plan is the incumbent; the cheaper simulated one wins.
-        state = milp.solve(planning.sim, target, planning.effects, time_limit=time_limit)
-        incumbent = greedy.solve(planning.sim, target, planning.effects)
-        if incumbent is not None and (
-            state is None or planning.sim.run(incumbent).added_seconds < planning.sim.run(state).added_seconds
-        ):
-            state = incumbent
-    else:
-        state = greedy.solve(planning.sim, target, planning.effects)
-    if state is None:
+    found = planning.solve(budget_bytes, solver, time_limit)
+    if found is None:
         minimum = planning.min_budget_bytes()
-        lines = planning.contributors(planning.full_state, planning.full.peak_op)
+        low = planning.lowest
+        state = planning.lowest_state()
+        lines = planning.contributors(state, low.sim.run(state).peak_op, selection=low)
         static = planning.profile.static_bytes
         raise BudgetInfeasibleError(
             f"libra.plan: no plan keeps the step under {format_bytes(budget_bytes)} ({budget_bytes} bytes); the "
@@ -295,11 +438,10 @@ def plan(
             budget_bytes=budget_bytes,
             min_budget_bytes=minimum,
         )
-    if state and solver == "milp":  # the greedy's family has plain variants already (NOTE [Plain regions])
-        state = front.plainify(planning.sim, state, target)[0]
-    result = planning.sim.run(state)
+    sel, state = found
+    result = sel.sim.run(state)
     seconds = time.perf_counter() - t0
-    out = planning.build(state, budget_bytes, result, solver, seconds)
+    out = planning.build(state, budget_bytes, result, solver, seconds, sel)
     counts = out.counts
     log.info(
         "planned in %.3f s: %d kept / %d recomputed, predicted peak %s of budget %s",

@@ -7,9 +7,12 @@ forward, autograd then holds nothing from inside the region: a storage made ther
 ops use it, unless its op is *saved* (kept in Libra's cache). At the first backward unpack of anything saved inside the
 region (``t_r``), the region's forward is replayed up to its last save; replayed storages that autograd saves live from
 ``t_r`` to their eager free; cached ones and the region's inputs live until the region's last unpack (``l_r``), when
-the checkpoint frame dies. A storage that escapes the region (used or saved outside it) is always cached, so that the
-replay never makes a second copy of it, unless the region later changes it in place: then caching it would need a
-private copy alive from forward to backward, and replaying it costs a second copy only during the region's backward.
+the checkpoint frame dies. A storage that escapes the region and is still held when backward begins (saved outside
+it, or alive into backward) is always cached, so that the replay never makes a second copy of it, unless the region
+later changes it in place: then caching it would need a private copy alive from forward to backward, and replaying it
+costs a second copy only during the region's backward. One that escapes only into the rest of the forward (a block's
+output that the next op reads and nothing saves) is not cached: caching it would hold it to the region's backward,
+where eager frees it as soon as the forward is done with it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 
 from libra.profiler.types import Profile
 
-__all__ = ["RegionInstance", "Unit", "analyse"]
+__all__ = ["GRANULARITIES", "RegionInstance", "Unit", "analyse"]
 
 
 @dataclass
@@ -67,16 +70,27 @@ def _children(profile: Profile) -> dict[int, list[int]]:
     return kids
 
 
-def _select_calls(profile: Profile, fwd_ops: int) -> list[int]:
+GRANULARITIES = ("fine", "blocks")
+
+
+def _select_calls(profile: Profile, fwd_ops: int, granularity: str = "fine") -> list[int]:
     """Disjoint module calls to use as regions: the root's children, each split into its children while it is a
     container of blocks.
 
-    NOTE [Region granularity]: a region's replay brings all of its saved activations back at once, so the finest
-    blocks that still hold something to recompute make the lowest peak. A call is split when its children are blocks
-    (at least two children of 8 ops or more covering 80% of its ops, like a Sequential stage of bottlenecks), or
-    when one child wraps nearly all of it; a transformer block (one big attention child, small layers around it,
-    residual adds of its own) stays whole, since splitting it would strand its attention core and residual adds.
-    A call larger than a quarter of the forward is split whenever it has children.
+    NOTE [Region granularity]: a region's replay brings all of its saved activations back at once, so finer regions
+    make a lower replay peak; but every region boundary holds the region's inputs and the outputs that escape it
+    from forward to backward, and ops between regions are not recomputed at all. Which wins depends on the model
+    and the budget: an MLP-Mixer block split into its LayerNorms and MLPs holds six activations per block instead
+    of one; a ResNet stage kept whole replays six bottlenecks at once. So two selections are planned and, per
+    budget, the faster plan wins (``Planning``):
+
+    - ``"fine"``: a call is split when its children are blocks (at least two children of 8 ops or more covering 80%
+      of its ops, like a Sequential stage of bottlenecks), or when one child wraps nearly all of it; a transformer
+      block (one big attention child, small layers around it, residual adds of its own) stays whole;
+    - ``"blocks"``: a call is split only when it is larger than a quarter of the forward (a stage, a ModuleList
+      run, a wrapper of the whole model), so blocks stay whole, as per-block checkpointing wraps them.
+
+    In both, a call whose forward runs a collective is split whenever it has children.
     """
     calls = profile.module_calls
     kids = _children(profile)
@@ -92,6 +106,8 @@ def _select_calls(profile: Profile, fwd_ops: int) -> list[int]:
         total = size(i)
         if total > max(fwd_ops / 4.0, 48.0):
             return True
+        if granularity == "blocks":
+            return False
         if len(children) == 1:
             return size(children[0]) >= 0.9 * total
         big = [k for k in children if size(k) >= max(8, total / 8)]
@@ -116,8 +132,12 @@ def _select_calls(profile: Profile, fwd_ops: int) -> list[int]:
     return chosen
 
 
-def analyse(profile: Profile) -> tuple[list[Unit], dict[int, str]]:
+def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], dict[int, str]]:
     """Finds the checkpointable regions of a profile.
+
+    Args:
+        profile: the profile.
+        granularity: which module calls become regions, one of :data:`GRANULARITIES` (NOTE [Region granularity]).
 
     Returns:
         The decision units, and for module calls that were rejected, why (index into module_calls -> reason).
@@ -156,7 +176,7 @@ def analyse(profile: Profile) -> tuple[list[Unit], dict[int, str]]:
     rejected: dict[int, str] = {}
     units: dict[tuple[str, int], Unit] = {}
     inconsistent: set[tuple[str, int]] = set()
-    for ci in _select_calls(profile, first_bwd):
+    for ci in _select_calls(profile, first_bwd, granularity):
         c = calls[ci]
         a, b = c.start_op, c.end_op
         reason = ""
@@ -237,7 +257,9 @@ def analyse(profile: Profile) -> tuple[list[Unit], dict[int, str]]:
             inst.bwd_end.append(bwd_end)
             if escapes or later_writes or written_after or not packed_here:
                 not_offloadable.add(local)
-            if escapes and not later_writes and not written_after:
+            # held past the forward's end (saved outside, or alive into backward): a replay would make a second copy
+            lives_on = packed_elsewhere or rec.free_op >= first_bwd
+            if escapes and lives_on and not later_writes and not written_after:
                 forced.add(local)
             elif packed_here and not escapes:
                 # kept, one changed later in the region costs a copy-on-write clone: the simulator counts it

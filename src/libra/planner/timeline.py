@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from libra.errors import LibraError
-from libra.planner.regions import Unit, analyse
+from libra.planner.regions import GRANULARITIES, Unit, analyse
 from libra.planner.simulate import PLAIN, Simulator, State
 from libra.planner.types import Plan
 from libra.profiler.types import Profile
@@ -132,8 +132,18 @@ def memory_timeline(profile: Profile, plan: Plan, *, host_bandwidth: float | Non
         from libra.planner import _host_bandwidth
 
         bandwidth = _host_bandwidth(profile, host_bandwidth)
-    units, _ = analyse(profile)
-    state = state_of(plan, units)
+    # the plan was made over one of the region selections (NOTE [Region granularity]): the first that has all of
+    # its regions (a unit in two selections is the same unit, so which one maps it makes no difference)
+    error = None
+    for granularity in GRANULARITIES:
+        units, _ = analyse(profile, granularity)
+        try:
+            state = state_of(plan, units)
+            break
+        except LibraError as e:
+            error = error or e
+    else:
+        raise error
     sim = Simulator(profile, units, bandwidth)
     eager, _ = sim.live({})
     planned, _ = sim.live(state)
