@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 import libra
 from libra.planner import Planning
 from libra.testing import LiveBytesMeter, assert_grads_equal
-from libra.testing.models import make_mixer, make_unet
+from libra.testing.models import make_gpt, make_mixer, make_unet
 
 
 def _mixer():
@@ -25,6 +25,11 @@ def _mixer():
 def _unet():
     model, x, y, loss_fn = make_unet(batch=4, size=32, widths=(8, 16, 32, 64), classes=4)
     return model, x, y, loss_fn, [model.inc, *model.downs, *model.ups]
+
+
+def _gpt():
+    model, x, y, loss_fn = make_gpt(batch=2, vocab=256, d=64, layers=4, heads=4, seq=32)
+    return model, x, y, loss_fn, list(model.blocks)
 
 
 def _measure(model, step) -> int:
@@ -46,7 +51,7 @@ def _checkpointed_peak(model, x, y, loss_fn, blocks) -> int:
             del b.forward
 
 
-@pytest.mark.parametrize("build", [_mixer, _unet], ids=["mixer", "unet"])
+@pytest.mark.parametrize("build", [_mixer, _unet, _gpt], ids=["mixer", "unet", "gpt"])
 def test_minimum_reaches_per_block_checkpoint(build):
     model, x, y, loss_fn, blocks = build()
     model.train()
@@ -58,7 +63,8 @@ def test_minimum_reaches_per_block_checkpoint(build):
     prof = libra.profile(ours, lambda: loss_fn(ours(x), y).backward())
     ours.zero_grad(set_to_none=True)
     planning = Planning(prof)
-    assert [s.granularity for s in planning.selections] == ["fine", "blocks"]
+    if build is not _gpt:  # a GPT block's calls are all small: both granularities select the same calls
+        assert [s.granularity for s in planning.selections] == ["fine", "blocks"]
     minimum = planning.min_budget_bytes()
     assert minimum - prof.static_bytes <= ckpt, (
         f"named minimum {minimum - prof.static_bytes} above per-block checkpoint's measured {ckpt}")
@@ -77,6 +83,9 @@ def test_minimum_reaches_per_block_checkpoint(build):
     assert measured <= ckpt
     activations = prof.eager_peak_bytes - prof.static_bytes
     assert abs(measured - (plan.predicted_peak_bytes - prof.static_bytes)) <= 0.05 * activations
+    if build is _gpt:  # plain checkpoint of every block: the simulator knows each storage's end to the op
+        # (a replayed Linear input dies before its bias gradient is reduced: NOTE [Release after unpack])
+        assert measured == plan.predicted_peak_bytes - prof.static_bytes
 
 
 def test_outputs_used_only_in_forward_are_not_cached():

@@ -132,6 +132,33 @@ def _select_calls(profile: Profile, fwd_ops: int, granularity: str = "fine") -> 
     return chosen
 
 
+def _apply_end(ops: list, sid: int, free_op: int) -> int:
+    """The last op of the backward node whose release freed a storage at ``free_op`` in eager, less the engine's
+    reductions of broadcast gradients after the node's formula.
+
+    NOTE [Release after unpack] continued: eager's saved variable holds the tensor until the engine releases the
+    node's variables, after it has checked the node's outputs and summed each broadcast gradient to its input's
+    shape (``sum.dim_IntList``, then a ``view`` of it when dimensions go). A tensor returned by a saved-tensor hook
+    is held only by the formula's local variable, which dies when the formula returns, before those sums: a
+    Linear's replayed input is gone when its bias gradient is reduced (the GPT minimum was over-counted by that
+    1 KiB gradient). A formula that ends with its own reduction would be cut short by the same rule, by at most
+    the bytes those reductions allocate.
+    """
+    end = free_op
+    if end >= len(ops):  # outlived the step
+        return end
+    while end > 0 and sid not in ops[end].inputs and sid not in ops[end - 1].inputs:
+        op = ops[end]
+        if (op.name == "aten.view.default" and ops[end - 1].name == "aten.sum.dim_IntList"
+                and op.inputs == ops[end - 1].outputs and ops[end - 1].backward):
+            end -= 2
+        elif op.name == "aten.sum.dim_IntList" and op.backward:
+            end -= 1
+        else:
+            return end
+    return end
+
+
 def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], dict[int, str]]:
     """Finds the checkpointable regions of a profile.
 
@@ -214,6 +241,7 @@ def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], di
         region_pack_set = set(region_packs)
         # NOTE [Release after unpack]: autograd lets go of a saved tensor when the node that unpacked it has run,
         # not at the unpack: the eager free time of a storage that only this region saved is when that happened.
+        # A replayed copy goes a little earlier (see _apply_end).
         own_frees = [
             storages[p.storage].free_op
             for p in unpacks
@@ -253,7 +281,7 @@ def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], di
             inst.escapes.append(escapes)
             bwd_end = max((profile.packs[pi].last_unpack for pi in pks if pi in region_pack_set), default=-1)
             if not packed_elsewhere and rec.free_op >= first_bwd:
-                bwd_end = max(bwd_end, rec.free_op)  # NOTE [Release after unpack]
+                bwd_end = max(bwd_end, _apply_end(ops, s, rec.free_op))  # NOTE [Release after unpack]
             inst.bwd_end.append(bwd_end)
             if escapes or later_writes or written_after or not packed_here:
                 not_offloadable.add(local)
