@@ -41,6 +41,7 @@ def kept_split(cached: frozenset[int]) -> tuple[set[int], set[int]]:
 # and per checkpointed region call (checkpoint's own bookkeeping, measured on CPU with torch 2.13).
 MODE_OVERHEAD_FACTOR = 2.5
 REGION_OVERHEAD_SECONDS = 120e-6
+DEFAULT_COPY_BANDWIDTH = 10e9  # bytes per second of a clone, where the profile has no measurement
 
 _RECENT = 8  # simulated curves remembered
 
@@ -128,6 +129,9 @@ class Simulator:
         else:
             self.per_op = self.per_replay_op = MODE_OVERHEAD_FACTOR * profile.dispatch_overhead_seconds
             self.per_call = REGION_OVERHEAD_SECONDS
+        # NOTE [Copy cost]: seconds per byte of a clone on the device, measured by the profiler (a fresh buffer
+        # each time, as the cache's clones are); older and synthetic profiles fall back to DEFAULT_COPY_BANDWIDTH
+        self.copy_seconds_per_byte = profile.copy_seconds_per_byte or 1.0 / DEFAULT_COPY_BANDWIDTH
         self._recent: dict[tuple, tuple[np.ndarray, float]] = {}
         self._unit_times: dict[tuple[int, frozenset[int]], tuple] = {}
         # plain-Python copies for the per-storage loops (numpy scalar indexing is slow)
@@ -185,6 +189,7 @@ class Simulator:
         for ui, cached in state.items():
             unit = self.units[ui]
             plain, offloaded, saved, per_op, per_call = self._entry(ui, cached)
+            in_cache = saved - offloaded
             for ii, inst in enumerate(unit.instances):
                 last = inst.l_r if inst.l_r >= 0 else n
                 if inst.t_r >= 0:
@@ -221,6 +226,7 @@ class Simulator:
                 if inst.t_r >= 0:
                     self._replay(ui, ii, saved, bursts, base, plain)
                 base.add((inst.end - inst.start) * per_op + per_call)
+                self._clone_seconds(ui, ii, in_cache, base)
         intervals: dict[int, tuple[int, int]] = {}
         for s in touched:
             a = self._alloc[s]
@@ -308,6 +314,7 @@ class Simulator:
     def _unit_time_of(self, ui: int, cached: frozenset[int]):
         unit = self.units[ui]
         plain, offloaded, saved, per_op, per_call = self._entry(ui, cached)
+        in_cache = saved - offloaded
         base = _ExactSum()
         lane = _ExactSum()
         offloads = []
@@ -320,7 +327,21 @@ class Simulator:
                 self._replay_seconds(ui, ii, saved, base, plain)
                 offloads.append((inst.t_r, secs))
             base.add((inst.end - inst.start) * per_op + per_call)
+            self._clone_seconds(ui, ii, in_cache, base)
         return base.total, lane.total, offloads
+
+    def _clone_seconds(self, ui: int, ii: int, cached: set[int], seconds: "_ExactSum") -> None:
+        """Adds the copying time of one region call's clones to ``seconds``: a kept output that the forward
+        writes in place later is cloned by the cache before the write (copy-on-write), and once more by each
+        replay, which writes it again (NOTE [Region executor contract] in runtime/region.py). A ResNet stage that
+        keeps its outputs ahead of in-place ReLUs and ``+=`` clones 16 MiB tensors twice each: 39 ms measured on a
+        step of 366 ms where the per-op costs alone predicted 3 ms."""
+        inst = self.units[ui].instances[ii]
+        nb = self._nbytes
+        for k, s in enumerate(inst.sids):
+            if inst.mutated_at[k] >= 0 and inst.producer[k] in cached:
+                copies = 2 if inst.t_r >= 0 and inst.packed[k] and inst.bwd_end[k] >= inst.t_r else 1
+                seconds.add(copies * nb[s] * self.copy_seconds_per_byte)
 
     def skip_of(self, ui: int, saved: set[int]) -> set[int]:
         """Ops of unit ``ui`` its replays need not run when ``saved`` are kept (planner/replay.py), cached."""

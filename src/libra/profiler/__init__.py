@@ -193,6 +193,19 @@ class StepRecording:
             return cached_region_costs(self.device, typical) or ()
         return region_costs(self.device, typical)
 
+    def _copy_cost(self, ops, storages) -> float:
+        """Seconds per byte of a clone on this device (NOTE [Copy cost] in planner/simulate.py), measured at the
+        size of the largest activation the forward writes in place (what a region's copy-on-write clones), else
+        at the median activation size; 0.0 (the planner's fallback) inside a live step if nothing was measured."""
+        from libra.runtime.calibrate import cached_copy_seconds_per_byte, copy_seconds_per_byte
+
+        written = [storages[s].nbytes for o in ops if not o.backward for s in o.writes if not storages[s].static]
+        sizes = sorted(storages[s].nbytes for o in ops if not o.backward for s in o.outputs)
+        size = max(written) if written else sizes[len(sizes) // 2] if sizes else 0
+        if self.root_entered:
+            return cached_copy_seconds_per_byte(self.device, size)
+        return copy_seconds_per_byte(self.device, size)
+
     def finish(self) -> Profile:
         """Removes every hook and returns the profile of the recorded step."""
         self.stop()
@@ -201,6 +214,7 @@ class StepRecording:
         ops = recorder.ops
         op_seconds = sum(o.seconds for o in ops)
         costs = self._region_costs(ops, recorder.storages)
+        copy_cost = self._copy_cost(ops, recorder.storages)
         eager_seconds = max(
             self._wall_ns / 1e9 - recorder.bookkeeping_ns / 1e9 - self.overhead * len(ops), op_seconds
         )
@@ -218,6 +232,7 @@ class StepRecording:
             input_signature=probes.input_signature,
             torch_version=torch.__version__,
             region_costs=list(costs),
+            copy_seconds_per_byte=copy_cost,
         )
         log.info(
             "profiled one step: %d ops, %d saved tensors, eager peak %s (static %s), %.1f ms",

@@ -95,6 +95,9 @@ class Profile:
     # what the region executor adds, measured (NOTE [Region overhead], runtime/calibrate.py): seconds per forward
     # op, per replayed op and per call under Libra's modes, then the same under plain checkpoint; [] not measured
     region_costs: list[float] = field(default_factory=list)
+    # seconds per byte of cloning a tensor on the device, into a fresh buffer (NOTE [Copy cost] in
+    # planner/simulate.py); 0.0: not measured
+    copy_seconds_per_byte: float = 0.0
     torch_version: str = ""
     schema_version: int = PROFILE_SCHEMA_VERSION
 

@@ -176,3 +176,51 @@ def region_costs(device: torch.device | str, nbytes: int = 512 * 1024) -> Region
                   "replayed op, %.0f us per call (plain checkpoint: %.1f, %.1f, %.0f)", device, rows * _WIDTH * 4,
                   *(c * 1e6 for c in _CACHE[key]))
     return _CACHE[key]
+
+
+_COPY_CACHE: dict[tuple[str, int, int], float] = {}
+_COPY_MIN_BYTES = 1 << 20
+_COPY_MAX_BYTES = 64 << 20
+_COPY_REPEATS = 5
+
+
+def _copy_size(nbytes: int) -> int:
+    """``nbytes`` rounded to a power of two between 1 MiB and 64 MiB."""
+    size = 1 << round(math.log2(max(nbytes, 1)))
+    return min(max(size, _COPY_MIN_BYTES), _COPY_MAX_BYTES)
+
+
+def cached_copy_seconds_per_byte(device: torch.device | str, nbytes: int) -> float:
+    """What :func:`copy_seconds_per_byte` measured in this process for ``device`` at the size nearest ``nbytes``,
+    or 0.0 (measures nothing)."""
+    device, threads, size = str(torch.device(device)), torch.get_num_threads(), _copy_size(nbytes)
+    sizes = [k[2] for k in _COPY_CACHE if k[:2] == (device, threads)]
+    if not sizes:
+        return 0.0
+    return _COPY_CACHE[(device, threads, min(sizes, key=lambda b: abs(math.log2(b) - math.log2(size))))]
+
+
+def copy_seconds_per_byte(device: torch.device | str, nbytes: int) -> float:
+    """Measured seconds per byte of ``clone()`` of a tensor of about ``nbytes`` on ``device`` into a fresh buffer,
+    as a region's copy-on-write clones are (NOTE [Copy cost] in planner/simulate.py): the median of a few copies,
+    each into a buffer allocated for it, so that what the allocator costs (page faults on a CPU, where a freed large
+    buffer goes back to the system) is counted. Cached per device, thread count and size; a few milliseconds."""
+    device = torch.device(device)
+    size = _copy_size(nbytes)
+    key = (str(device), torch.get_num_threads(), size)
+    if key not in _COPY_CACHE:
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        src = torch.ones(size // 4, device=device)
+        times = []
+        for _ in range(_COPY_REPEATS + 1):
+            sync()
+            t0 = time.perf_counter()
+            out = src.clone()
+            sync()
+            times.append(time.perf_counter() - t0)
+            del out
+        times = sorted(times[1:])  # the first copy pays one-time costs
+        _COPY_CACHE[key] = times[len(times) // 2] / size
+        log.debug("libra: a clone of %d bytes on %s takes %.2f ms (%.1f GB/s)", size, device,
+                  times[len(times) // 2] * 1e3, size / times[len(times) // 2] / 1e9)
+    return _COPY_CACHE[key]

@@ -33,7 +33,7 @@ def assert_grads_equal(expected: torch.nn.Module, actual: torch.nn.Module) -> No
 
 def fixed_times(profile, seconds: float = 1e-5):
     """The profile with every op taking ``seconds`` (and the dispatch overhead too), in place; returns it. The
-    region executor's measured costs are cleared, so the planner's fixed multiple of the dispatch overhead is used.
+    region executor's and the clone's measured costs are cleared, so the planner's fixed fallbacks are used.
 
     The greedy ranks moves by bytes per second, so measured times make the plan, and with it a test's outcome, differ
     from run to run on a shared machine; with fixed times the plan depends only on what the step allocated and saved.
@@ -42,5 +42,6 @@ def fixed_times(profile, seconds: float = 1e-5):
         op.seconds = seconds
     profile.dispatch_overhead_seconds = seconds
     profile.region_costs = []
+    profile.copy_seconds_per_byte = 0.0
     profile.eager_step_seconds = seconds * len(profile.ops)
     return profile
