@@ -7,7 +7,7 @@ import time
 
 from libra.errors import BudgetInfeasibleError, LibraError
 from libra.planner.regions import GRANULARITIES, Unit, analyse
-from libra.planner.simulate import PLAIN, SimResult, Simulator, State, kept_split
+from libra.planner.simulate import HOOKED, PLAIN, SimResult, Simulator, State, kept_split
 from libra.planner.solvers import front, greedy, milp
 from libra.planner.types import PLAN_SCHEMA_VERSION, Decision, Plan, RegionPlan
 from libra.profiler.types import Profile
@@ -247,8 +247,10 @@ class Planning:
                 state is None or sel.sim.run(incumbent).added_seconds < sel.sim.run(state).added_seconds
             ):
                 state = incumbent
-            if state:  # the greedy's family has plain variants already (NOTE [Plain regions])
+            if state:  # the greedy's family has plain and hooked variants already (NOTE [Plain regions])
                 state = front.plainify(sel.sim, state, target)[0]
+                if greedy.OFFLOAD in self.kinds:  # NOTE [Hooked regions]
+                    state = front.hookify(sel.sim, state, target)[0]
         else:
             state = greedy.solve(sel.sim, target, sel.effects)
         # the solvers search from every candidate evicted: below that peak only the lowest state fits, and it may
@@ -293,9 +295,14 @@ class Planning:
         for ui in sorted(state, key=lambda u: units[u].instances[0].start):
             unit = units[ui]
             plain = state[ui] == PLAIN
+            hooked = state[ui] == HOOKED
             on_device, offloaded = kept_split(state[ui])
-            saved = set() if plain else unit.forced_save | on_device | offloaded
+            saved = set() if plain or hooked else unit.forced_save | on_device | offloaded
             for inst in unit.instances:
+                if hooked:  # everything it saves goes to host memory (NOTE [Hooked regions])
+                    offloaded_ops.update(inst.start + inst.producer[k] for k in range(len(inst.sids))
+                                         if inst.packed[k])
+                    continue
                 recomputed_ops.update(inst.start + j for j in range(len(unit.op_names)) if j not in saved)
                 offloaded_ops.update(inst.start + j for j in offloaded)
             regions.append(
@@ -305,10 +312,11 @@ class Planning:
                     ops=list(unit.op_names),
                     save=sorted(saved),
                     offload=sorted(offloaded),
-                    protect={k: list(v) for k, v in sorted(unit.protect.items())},
+                    protect={} if hooked else {k: list(v) for k, v in sorted(unit.protect.items())},
                     input_shapes=[list(s) for s in unit.input_shapes],
-                    skip=[] if plain else sorted(sel.sim.skip_of(ui, saved)),
+                    skip=[] if plain or hooked else sorted(sel.sim.skip_of(ui, saved)),
                     plain=plain,
+                    hooked=hooked,
                 )
             )
         keys = self._op_keys()

@@ -29,9 +29,9 @@ _PLAN_FIELDS = {
     "planner_seconds": float,
     "input_signature": list,
 }
-_OPTIONAL = {"input_signature", "skip", "plain"}  # added after schema 1 was first written; absent means "not recorded"
+_OPTIONAL = {"input_signature", "skip", "plain", "hooked"}  # added after schema 1 was first written; absent means "not recorded"
 _REGION_FIELDS = {"module": str, "call": int, "ops": list, "save": list, "offload": list, "protect": dict,
-                  "input_shapes": list, "skip": list, "plain": bool}
+                  "input_shapes": list, "skip": list, "plain": bool, "hooked": bool}
 _NON_NEGATIVE = {"budget_bytes", "predicted_peak_bytes", "eager_peak_bytes", "static_bytes", "predicted_step_seconds",
                  "eager_step_seconds", "planner_seconds"}
 
@@ -59,6 +59,7 @@ def plan_to_dict(plan: Plan) -> dict:
                 "input_shapes": [list(s) for s in r.input_shapes],
                 "skip": list(r.skip),
                 "plain": r.plain,
+                "hooked": r.hooked,
             }
             for r in plan.regions
         ],
@@ -148,8 +149,13 @@ def plan_from_dict(data: dict, path="<dict>") -> Plan:
         plain = r.get("plain", False)
         if plain and (save or offload or skip or protect):
             raise _fail(path, f"{where} is plain (recomputes everything) but saves, offloads, skips or protects ops")
+        hooked = r.get("hooked", False)
+        if hooked and (plain or save or offload or skip or protect):
+            raise _fail(path, f"{where} is hooked (offloads everything it saves) but is also plain, or saves, "
+                              "offloads, skips or protects ops")
         regions.append(RegionPlan(module=r["module"], call=r["call"], ops=list(r["ops"]), save=save,
-                                  offload=offload, protect=protect, input_shapes=shapes, skip=skip, plain=plain))
+                                  offload=offload, protect=protect, input_shapes=shapes, skip=skip, plain=plain,
+                                  hooked=hooked))
     parameters = []
     for entry in data["parameters"]:
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[2], str)):

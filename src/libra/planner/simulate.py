@@ -15,7 +15,7 @@ from libra.planner.regions import Unit
 from libra.planner.replay import replay_skip
 from libra.profiler.types import Profile
 
-__all__ = ["Simulator", "SimResult", "State", "kept_split", "PLAIN"]
+__all__ = ["Simulator", "SimResult", "State", "kept_split", "PLAIN", "HOOKED"]
 
 # unit index -> the candidates (local op indices) whose outputs are kept: ``j`` keeps them on the device, ``~j``
 # (that is -j-1) in host memory (offloaded). Candidates of a listed unit that are in neither form are recomputed.
@@ -30,10 +30,21 @@ State = dict[int, frozenset[int]]
 # torch.Generator (checkpoint restores only the default generators, so the replay would draw other numbers).
 PLAIN: frozenset[int] = frozenset({1 << 40})
 
+# NOTE [Hooked regions]: a unit whose entry is HOOKED runs under saved-tensor hooks alone: no checkpoint, no
+# dispatch mode, nothing recomputed. Every tensor autograd saves inside the call, except the call's inputs and
+# static tensors (parameters, buffers), is copied to host memory when it is saved and copied back when the call
+# that runs before it in backward order starts its backward (NOTE [Prefetch]), or at its own first unpack. The
+# device copy lives until the copy out is done and the forward no longer holds it; the copy back, until autograd
+# releases the saving nodes (eager's free time). A unit may be hooked when every storage saved inside it is saved
+# only there (a storage also saved outside would stay on the device and come back as a second copy) and the
+# profile has plain-checkpoint costs, which stand for the hooks' own (a pack hook per saved tensor). It is what
+# ``save_on_cpu`` does, with a pool of host buffers, copies that overlap compute, and per module call.
+HOOKED: frozenset[int] = frozenset({1 << 41})
+
 
 def kept_split(cached: frozenset[int]) -> tuple[set[int], set[int]]:
     """(kept on the device, offloaded) local op indices of one unit's state entry."""
-    if cached == PLAIN:
+    if cached == PLAIN or cached == HOOKED:
         return set(), set()
     return {j for j in cached if j >= 0}, {~j for j in cached if j < 0}
 
@@ -132,6 +143,7 @@ class Simulator:
         # NOTE [Copy cost]: seconds per byte of a clone on the device, measured by the profiler (a fresh buffer
         # each time, as the cache's clones are); older and synthetic profiles fall back to DEFAULT_COPY_BANDWIDTH
         self.copy_seconds_per_byte = profile.copy_seconds_per_byte or 1.0 / DEFAULT_COPY_BANDWIDTH
+        self._hook_ok: dict[int, bool] = {}
         self._recent: dict[tuple, tuple[np.ndarray, float]] = {}
         self._unit_times: dict[tuple[int, frozenset[int]], tuple] = {}
         # plain-Python copies for the per-storage loops (numpy scalar indexing is slow)
@@ -188,6 +200,9 @@ class Simulator:
 
         for ui, cached in state.items():
             unit = self.units[ui]
+            if cached == HOOKED:
+                self._hooked(ui, replays, touched, holders, extra_copies, base, exposed, lane)
+                continue
             plain, offloaded, saved, per_op, per_call = self._entry(ui, cached)
             in_cache = saved - offloaded
             for ii, inst in enumerate(unit.instances):
@@ -241,6 +256,55 @@ class Simulator:
         # copies run on their own lane: exposed where a prefetch is late, and wherever the lane is busier than the step
         added = base.value() + max(exposed.value(), lane.value() - self.profile.eager_step_seconds)
         return intervals, extra_copies, bursts, added
+
+    def hook_ok(self, ui: int) -> bool:
+        """Whether unit ``ui`` may run hooked (NOTE [Hooked regions]): offloading is modelled, plain-checkpoint
+        costs were measured, every instance's saves are unpacked, and what it saves is saved nowhere else."""
+        got = self._hook_ok.get(ui)
+        if got is None:
+            got = self.host_bandwidth is not None and self.plain_costs is not None
+            for ii, inst in enumerate(self.units[ui].instances):
+                if not got:
+                    break
+                got = inst.t_r >= 0 and all(
+                    self.pack_owner.get(pi) == (ui, ii)
+                    for k, s in enumerate(inst.sids) if inst.packed[k] for pi in self.packs_of.get(s, ())
+                )
+            self._hook_ok[ui] = got
+        return got
+
+    def _hooked_copies(self, ui: int, ii: int) -> list[tuple[int, float, int]]:
+        """(storage, seconds of one copy, end of the copy back) of what one hooked call offloads."""
+        inst = self.units[ui].instances[ii]
+        nb = self._nbytes
+        out = []
+        for k, s in enumerate(inst.sids):
+            if inst.packed[k]:
+                end = max(inst.bwd_end[k], self._free[s]) if self._free[s] >= inst.t_r else inst.bwd_end[k]
+                out.append((s, nb[s] / self.host_bandwidth, end))
+        return out
+
+    def _hooked(self, ui: int, replays: list, touched: dict, holders: dict, extra_copies: list,
+                base: "_ExactSum", exposed: "_ExactSum", lane: "_ExactSum") -> None:
+        """A hooked unit's changes to the timeline and its seconds (NOTE [Hooked regions]), added in place."""
+        n = self.n
+        unit = self.units[ui]
+        for ii, inst in enumerate(unit.instances):
+            pos = bisect.bisect_left(replays, inst.t_r)
+            prefetch = replays[pos - 1] if pos > 0 else inst.t_r
+            window = self._op_time[inst.t_r] - self._op_time[prefetch]
+            for s, seconds, end in self._hooked_copies(ui, ii):
+                touched[s] = None
+                done = bisect.bisect_left(self._op_time, self._op_time[self._alloc[s]] + seconds)
+                holders.setdefault(s, []).append(min(done, n))
+                if end >= inst.t_r:
+                    extra_copies.append([prefetch, end, s])
+                exposed.add(max(0.0, seconds - window))
+                lane.add(2 * seconds)
+            for s in inst.external_inputs:  # the hooks keep the call's inputs as they are: saved on the device
+                touched[s] = None
+                holders.setdefault(s, []).append(inst.l_r if inst.l_r >= 0 else n)
+            base.add((inst.end - inst.start) * self.plain_costs[0] + self.plain_costs[2])
 
     def _entry(self, ui: int, cached: frozenset[int]):
         """What unit ``ui``'s state entry means: ``(plain, offloaded, saved, forward seconds per op, seconds per
@@ -313,6 +377,16 @@ class Simulator:
 
     def _unit_time_of(self, ui: int, cached: frozenset[int]):
         unit = self.units[ui]
+        if cached == HOOKED:
+            base, lane = _ExactSum(), _ExactSum()
+            offloads = []
+            for ii, inst in enumerate(unit.instances):
+                secs = [seconds for _, seconds, _ in self._hooked_copies(ui, ii)]
+                for x in secs:
+                    lane.add(2 * x)
+                offloads.append((inst.t_r, secs))
+                base.add((inst.end - inst.start) * self.plain_costs[0] + self.plain_costs[2])
+            return base.total, lane.total, offloads
         plain, offloaded, saved, per_op, per_call = self._entry(ui, cached)
         in_cache = saved - offloaded
         base = _ExactSum()

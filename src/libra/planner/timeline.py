@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from libra.errors import LibraError
 from libra.planner.regions import GRANULARITIES, Unit, analyse
-from libra.planner.simulate import PLAIN, Simulator, State
+from libra.planner.simulate import HOOKED, PLAIN, Simulator, State
 from libra.planner.types import Plan
 from libra.profiler.types import Profile
 
@@ -62,7 +62,7 @@ def state_of(plan: Plan, units: list[Unit]) -> State:
 
     Returns:
         unit index -> kept candidates (``j`` on the device, ``~j`` offloaded), as the solvers produce it;
-        ``PLAIN`` for a plain region.
+        ``PLAIN`` for a plain region, ``HOOKED`` for a hooked one.
 
     Raises:
         LibraError: a region of the plan is no unit of this profile, or its ops differ (another profile).
@@ -75,8 +75,8 @@ def state_of(plan: Plan, units: list[Unit]) -> State:
             name = r.module + (f"[{r.call}]" if r.call else "")
             seen = "is not a region of this profile" if ui is None else "ran other ops when this profile was recorded"
             raise LibraError(f"libra.memory_timeline: the plan checkpoints module {name!r}, which {seen}. {_FIX}")
-        if r.plain:
-            state[ui] = PLAIN
+        if r.plain or r.hooked:
+            state[ui] = PLAIN if r.plain else HOOKED
             continue
         unit = units[ui]
         save, offload = set(r.save), set(r.offload)
@@ -120,7 +120,7 @@ def memory_timeline(profile: Profile, plan: Plan, *, host_bandwidth: float | Non
             f"static {plan.static_bytes} bytes on {plan.device}; this profile has {profile.eager_peak_bytes} and "
             f"{profile.static_bytes} bytes on {profile.device}. {_FIX}"
         )
-    offloads = any(r.offload for r in plan.regions)
+    offloads = any(r.offload or r.hooked for r in plan.regions)
     if offloads and host_bandwidth is None and not profile.device.startswith("cuda"):
         raise LibraError(
             f"libra.memory_timeline: the plan offloads activations on {profile.device}, where no host link is "

@@ -36,6 +36,9 @@ class RegionPlan:
             shapes the forward saw. Never in ``save``.
         plain: run the call under plain ``torch.utils.checkpoint``, without Libra's modes (NOTE [Plain regions] in
             planner/simulate.py): everything is recomputed; ``save``, ``offload`` and ``skip`` are empty.
+        hooked: run the call under saved-tensor hooks that copy what it saves to host memory and back, with no
+            checkpoint (NOTE [Hooked regions] in planner/simulate.py): nothing is recomputed; ``save``,
+            ``offload`` and ``skip`` are empty.
     """
 
     module: str
@@ -47,6 +50,7 @@ class RegionPlan:
     input_shapes: list[list[int]] = field(default_factory=list)
     skip: list[int] = field(default_factory=list)
     plain: bool = False
+    hooked: bool = False
 
 
 @dataclass

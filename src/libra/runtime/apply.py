@@ -16,9 +16,9 @@ from libra._forward import ForwardSwaps
 from libra.errors import BudgetInfeasibleError, LibraError, PlanMismatchError
 from libra.planner import plan as make_plan
 from libra.planner.types import Decision, Plan, RegionPlan
-from libra._ops import input_signature, kv_cache_args
+from libra._ops import input_signature, kv_cache_args, storage_key
 from libra.profiler import StepRecording, model_signature
-from libra.runtime.region import OffloadContext, PlainRun, RegionRun, debug_enabled
+from libra.runtime.region import HookRun, OffloadContext, PlainRun, RegionRun, debug_enabled
 from libra.units import format_bytes
 
 __all__ = ["apply"]
@@ -85,6 +85,14 @@ class _RegionForward:
                 ", ".join(caches),
             )
             return self.forward(*args, **kwargs)
+        if region.hooked:  # NOTE [Hooked regions] in planner/simulate.py
+            if debug_enabled():
+                log.debug("libra: %s[%d] runs hooked (what it saves goes to host memory)", region.module,
+                          region.call)
+            hook = HookRun(region, self.forward, self.session.offload, self.session.static_keys(),
+                           self.session.device)
+            self.session.offload.register(hook)
+            return hook.run(*args, **kwargs)
         if region.plain:  # NOTE [Plain regions] in planner/simulate.py
             if debug_enabled():
                 log.debug("libra: %s[%d] runs under plain checkpoint (everything recomputed)", region.module,
@@ -150,6 +158,7 @@ class _Session:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.offload: OffloadContext | None = None
+        self._static: set[int] | None = None
         self._activate(plan)
 
     # ---- which plan runs ------------------------------------------------------------------------------------
@@ -157,10 +166,17 @@ class _Session:
         """Runs the next steps under ``plan`` (None: plainly)."""
         self.active = plan
         self.regions = {(r.module, r.call): r for r in plan.regions} if plan is not None else {}
-        if plan is not None and self.offload is None and any(r.offload for r in plan.regions):
+        if plan is not None and self.offload is None and any(r.offload or r.hooked for r in plan.regions):
             self.offload = OffloadContext(self.device)
         if plan is not None and self._handles:
             self._wrap(plan)
+
+    def static_keys(self) -> set[int]:
+        """Storages of the model's parameters and buffers, which hooked regions never copy (taken once per step:
+        a parameter can be replaced between steps)."""
+        if self._static is None:
+            self._static = {storage_key(t) for t in (*self.model.parameters(), *self.model.buffers())}
+        return self._static
 
     def next_region(self, fqn: str) -> RegionPlan | None:
         call = self.counts.get(fqn, 0)
@@ -176,6 +192,7 @@ class _Session:
         if not torch.is_grad_enabled():
             return
         self.counts = {}
+        self._static = None
         if self.offload is not None:
             self.offload.new_step()
         if self.recording is not None:

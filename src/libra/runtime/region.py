@@ -45,7 +45,7 @@ from libra.errors import LibraError
 from libra.planner.types import RegionPlan
 from libra.runtime.offload import HostCopy, HostPool
 
-__all__ = ["RegionRun", "PlainRun", "OffloadContext"]
+__all__ = ["RegionRun", "PlainRun", "HookRun", "OffloadContext"]
 
 log = logging.getLogger("libra")
 
@@ -174,6 +174,98 @@ class PlainRun:
 
     def prefetch(self) -> None:
         """Nothing to bring back: a plain call keeps nothing."""
+
+
+class _Packed:
+    """What a hooked call's pack hook returns for an offloaded tensor: the host copy of its storage (shared by the
+    tensors saved from that storage) and how to view it again."""
+
+    __slots__ = ("run", "copy", "size", "stride", "offset", "source", "version")
+
+    def __init__(self, run: "HookRun", copy: HostCopy, t: torch.Tensor) -> None:
+        self.run, self.copy = run, copy
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        self.source = weakref.ref(t)  # NOTE [Version checks]: held weakly, so the device copy can go
+        self.version = t._version
+
+
+class HookRun:
+    """One call of a hooked region (NOTE [Hooked regions] in planner/simulate.py): the module's forward under
+    saved-tensor hooks that copy every tensor autograd saves, except the call's inputs and ``keep`` (parameters and
+    buffers, by storage), to a host buffer of the offload context's pool, one copy per storage, and bring it back
+    at its first unpack, or earlier: when the call after this one in forward order starts its backward (NOTE
+    [Prefetch]). Nothing is recomputed, so neither random numbers nor BatchNorm statistics are touched again.
+
+    NOTE [Version checks]: under saved-tensor hooks autograd does not check versions, so an unpack compares the
+    saved tensor's version counter with the one it had when packed, while it is still alive, and raises instead of
+    returning the value from before an in-place change (eager would raise too). A tensor changed in place and then
+    let go cannot be checked (holding it would keep the memory offloading frees): its copy holds the value it had
+    when saved, the value the backward formula was written for, where eager would raise. A step that runs the
+    profiled ops never does this: eager ran the profiled step to its end, so it wrote no saved tensor after saving.
+    """
+
+    def __init__(self, region: RegionPlan, forward, offload: "OffloadContext", keep: set[int],
+                 device: torch.device) -> None:
+        self.region = region
+        self.forward = forward
+        self.offload_ctx = offload
+        self.keep = keep
+        self.device = device
+        # (storage, dtype) -> its copy while the storage lives (dedup); and every copy, for the prefetch
+        self.by_storage: "weakref.WeakValueDictionary[tuple, HostCopy]" = weakref.WeakValueDictionary()
+        self.copies: list[weakref.ref] = []
+        self.inputs: set[int] = set()
+        self.started = False
+
+    def run(self, *args, **kwargs):
+        self.inputs = {storage_key(t) for t in tensors_in(list(args)) + tensors_in(list(kwargs.values()))}
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            return self.forward(*args, **kwargs)
+
+    def pack(self, t: torch.Tensor):
+        key = storage_key(t)
+        if key is None or key in self.keep or key in self.inputs or t.device != self.device:
+            return t
+        ctx = self.offload_ctx
+        with _internal():
+            whole = (key, t.dtype)
+            copy = self.by_storage.get(whole)
+            if copy is None:
+                flat = torch.as_strided(t, (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
+                copy = HostCopy(flat, ctx.pool, ctx.stream)
+                # the host buffer goes back to the pool once autograd has let go of every tensor saved from it
+                # (copies on the side stream stay ordered after any copy back still reading it)
+                weakref.finalize(copy, ctx.pool.release, copy.buffer)
+                self.by_storage[whole] = copy
+                self.copies.append(weakref.ref(copy))
+                # a storage's key is its address, which a storage made after this one dies can take: forget the
+                # copy when the storage goes (the point of offloading it), so a newcomer is never matched to it
+                weakref.finalize(t.untyped_storage(), self.by_storage.pop, whole, None)
+            return _Packed(self, copy, t)
+
+    def unpack(self, packed):
+        if not isinstance(packed, _Packed):
+            return packed
+        if not self.started:
+            self.started = True
+            self.offload_ctx.replay_started(self)
+        t = packed.source()
+        if t is not None and t._version != packed.version:
+            raise LibraError(
+                f"libra.apply: a tensor {self.region.module!r} saved for backward was changed in place after it "
+                "was saved, so its offloaded copy is out of date (eager PyTorch raises here too). Fix: use an "
+                "out-of-place op, or plan without offloading this module (decisions={'keep', 'recompute'})."
+            )
+        with _internal():
+            flat = packed.copy.get(self.offload_ctx.stream)
+            return torch.as_strided(flat, packed.size, packed.stride, packed.offset)
+
+    def prefetch(self) -> None:
+        """Starts bringing this call's offloaded tensors back to the device."""
+        for ref in self.copies:
+            copy = ref()
+            if copy is not None:
+                copy.prefetch(self.offload_ctx.stream)
 
 
 class RegionRun:

@@ -40,7 +40,7 @@ import heapq
 
 import numpy as np
 
-from libra.planner.simulate import PLAIN, SimResult, Simulator, State, TimeModel
+from libra.planner.simulate import HOOKED, PLAIN, SimResult, Simulator, State, TimeModel
 from libra.planner.solvers.effects import OFFLOAD, Effects, PeakTree
 
 __all__ = ["Front", "default_ladder", "LADDER_STEPS"]
@@ -248,7 +248,7 @@ class Front:
                 chains = [_Chain(self.sim, self.fx, moves, live, whole, reach) for whole in (False, True)]
                 for c in range(len(chains)):
                     self._fits[(d, c, 0)] = int(live.max())
-                self._plain[d] = plain_variants(self.sim, state)
+                self._plain[d] = plain_variants(self.sim, state, hooks=OFFLOAD in self.fx.kinds)
             self._chains[d] = chains
         return self._chains[d]
 
@@ -293,15 +293,32 @@ def plainify(sim: Simulator, state: State, cap: int | None) -> tuple[State, SimR
     return current, best
 
 
-def plain_variants(sim: Simulator, state: State) -> list[tuple[float, int, State]]:
-    """``state`` with units turned plain where that makes it faster: once whatever the peak, once never above
-    ``state``'s own. ``(added seconds, peak, state)`` of each variant that differs from ``state``; none when the
-    profile has no measured plain-checkpoint costs."""
+def hookify(sim: Simulator, state: State, cap: int | None) -> tuple[State, SimResult]:
+    """``state`` with checkpointed units turned hooked (NOTE [Hooked regions]), one at a time in forward order,
+    wherever that makes it faster and keeps the simulated peak at most ``cap`` (None: any peak)."""
+    best, current = sim.run(state), dict(state)
+    for ui in sorted(state, key=lambda u: sim.units[u].instances[0].start):
+        if current[ui] == HOOKED or not sim.hook_ok(ui):
+            continue
+        trial = dict(current)
+        trial[ui] = HOOKED
+        got = sim.run(trial)
+        if got.added_seconds < best.added_seconds and (cap is None or got.peak_bytes <= cap):
+            best, current = got, trial
+    return current, best
+
+
+def plain_variants(sim: Simulator, state: State, hooks: bool = False) -> list[tuple[float, int, State]]:
+    """``state`` with units turned plain where that makes it faster, and (``hooks``) then hooked where that is
+    faster still: once whatever the peak, once never above ``state``'s own. ``(added seconds, peak, state)`` of
+    each variant that differs from ``state``; none when the profile has no measured plain-checkpoint costs."""
     if sim.plain_costs is None or not state:
         return []
     out = []
     for cap in (None, sim.run(state).peak_bytes):
         current, best = plainify(sim, state, cap)
+        if hooks:
+            current, best = hookify(sim, current, cap)
         if current != state and all(current != v for _, _, v in out):
             out.append((best.added_seconds, best.peak_bytes, current))
     return out
