@@ -87,7 +87,10 @@ def run_model(name, make, blocks_of, shares=(0.5, 0.3)):
                "grads": grads}
         if plan is not None:
             row.update(budget=plan.budget_bytes, predicted_peak=plan.predicted_peak_bytes,
-                       counts={d.value: c for d, c in plan.counts.items()})
+                       counts={d.value: c for d, c in plan.counts.items()},
+                       regions=len(plan.regions), plain=sum(r.plain for r in plan.regions),
+                       hooked=sum(r.hooked for r in plan.regions),
+                       predicted_ratio=plan.predicted_step_seconds / plan.eager_step_seconds)
         rows.append(row)
         return row
 
