@@ -1,6 +1,7 @@
 """Offload on CPU: the same code path as on CUDA with plain copies. Host and device memory are one here, so these
 tests check values, release and reuse, not the budget (that is the GPU check's job)."""
 
+import copy
 import gc
 import weakref
 
@@ -32,7 +33,23 @@ def test_gradients_exact(case, decisions):
         assert counts[libra.Decision.OFFLOAD] > 0 and counts[libra.Decision.RECOMPUTE] <= counts[libra.Decision.KEEP]
     if "offload" not in decisions:
         assert counts[libra.Decision.OFFLOAD] == 0
+        assert not any(r.hooked for r in plan.regions)
+    if "recompute" not in decisions:
+        assert not any(r.plain for r in plan.regions)
     case.train(plan, steps=3)
+
+
+def test_offload_only_never_recomputes_plainly(case):
+    """A plain region recomputes everything: never in a plan that may not recompute, even where Libra's modes
+    are measured dear enough that plain checkpoint would be the faster plan (a run on a busy machine once made
+    the offload-only plan all plain, offloading nothing)."""
+    prof = copy.deepcopy(case.profile)
+    costs = list(prof.region_costs)
+    prof.region_costs = [c * 50 for c in costs[:3]] + costs[3:]
+    planning = Planning(prof, FAST, {"keep", "offload"})
+    plan = libra.plan(planning, max(prof.budget_for_share(0.5), planning.min_budget_bytes()))
+    assert plan.counts[libra.Decision.OFFLOAD] > 0
+    assert not any(r.plain for r in plan.regions)
 
 
 def test_bandwidth_decides_the_trade(case):

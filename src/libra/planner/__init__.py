@@ -106,7 +106,9 @@ class Selection:
         is faster at the same peak, NOTE [Plain regions]), then the greedy asked for one byte less while it finds
         a plan (keeping some activations can lower the peak: a kept one spares a replay at the peak's moment)."""
         if self._minimum is None:
-            state, got = front.plainify(self.sim, self.lowest_state, self.lowest.peak_bytes)
+            state, got = self.lowest_state, self.lowest
+            if greedy.RECOMPUTE in self.kinds:  # a plain region recomputes everything
+                state, got = front.plainify(self.sim, state, got.peak_bytes)
             for _ in range(_MINIMUM_ROUNDS):
                 lower = greedy.solve(self.sim, got.peak_bytes - 1, self.effects)
                 if lower is None:
@@ -248,7 +250,8 @@ class Planning:
             ):
                 state = incumbent
             if state:  # the greedy's family has plain and hooked variants already (NOTE [Plain regions])
-                state = front.plainify(sel.sim, state, target)[0]
+                if greedy.RECOMPUTE in self.kinds:  # a plain region recomputes everything
+                    state = front.plainify(sel.sim, state, target)[0]
                 if greedy.OFFLOAD in self.kinds:  # NOTE [Hooked regions]
                     state = front.hookify(sel.sim, state, target)[0]
         else:

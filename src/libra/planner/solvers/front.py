@@ -41,7 +41,7 @@ import heapq
 import numpy as np
 
 from libra.planner.simulate import HOOKED, PLAIN, SimResult, Simulator, State, TimeModel
-from libra.planner.solvers.effects import OFFLOAD, Effects, PeakTree
+from libra.planner.solvers.effects import OFFLOAD, RECOMPUTE, Effects, PeakTree
 
 __all__ = ["Front", "default_ladder", "LADDER_STEPS"]
 
@@ -248,7 +248,8 @@ class Front:
                 chains = [_Chain(self.sim, self.fx, moves, live, whole, reach) for whole in (False, True)]
                 for c in range(len(chains)):
                     self._fits[(d, c, 0)] = int(live.max())
-                self._plain[d] = plain_variants(self.sim, state, hooks=OFFLOAD in self.fx.kinds)
+                self._plain[d] = plain_variants(self.sim, state, plain=RECOMPUTE in self.fx.kinds,
+                                                hooks=OFFLOAD in self.fx.kinds)
             self._chains[d] = chains
         return self._chains[d]
 
@@ -308,15 +309,17 @@ def hookify(sim: Simulator, state: State, cap: int | None) -> tuple[State, SimRe
     return current, best
 
 
-def plain_variants(sim: Simulator, state: State, hooks: bool = False) -> list[tuple[float, int, State]]:
-    """``state`` with units turned plain where that makes it faster, and (``hooks``) then hooked where that is
-    faster still: once whatever the peak, once never above ``state``'s own. ``(added seconds, peak, state)`` of
-    each variant that differs from ``state``; none when the profile has no measured plain-checkpoint costs."""
-    if sim.plain_costs is None or not state:
+def plain_variants(sim: Simulator, state: State, plain: bool = True,
+                   hooks: bool = False) -> list[tuple[float, int, State]]:
+    """``state`` with units turned plain where that makes it faster (``plain``: recomputing is allowed), and
+    (``hooks``: offloading is) then hooked where that is faster still: once whatever the peak, once never above
+    ``state``'s own. ``(added seconds, peak, state)`` of each variant that differs from ``state``; none when the
+    profile has no measured plain-checkpoint costs."""
+    if sim.plain_costs is None or not state or not (plain or hooks):
         return []
     out = []
     for cap in (None, sim.run(state).peak_bytes):
-        current, best = plainify(sim, state, cap)
+        current, best = plainify(sim, state, cap) if plain else (dict(state), sim.run(state))
         if hooks:
             current, best = hookify(sim, current, cap)
         if current != state and all(current != v for _, _, v in out):
