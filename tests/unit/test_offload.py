@@ -60,8 +60,9 @@ def test_bandwidth_decides_the_trade(case):
     assert fast.predicted_step_seconds <= slow.predicted_step_seconds
 
 
-def test_offloaded_storages_are_released_in_forward_and_the_pool_does_not_grow(case, monkeypatch):
-    plan = _plan(case, {"keep", "offload"})
+def _assert_released_in_forward_and_pool_steady(case, plan, monkeypatch):
+    """Three steps under ``plan``: every storage it offloads is gone from the device once the forward is done,
+    and the host pool allocates nothing after the first step."""
     sources = []
     original = offload_mod.HostCopy.__init__
 
@@ -86,6 +87,10 @@ def test_offloaded_storages_are_released_in_forward_and_the_pool_does_not_grow(c
             model.zero_grad(set_to_none=True)
             pool_sizes.append(pool.allocated_bytes)
     assert pool_sizes[0] > 0 and pool_sizes[0] == pool_sizes[1] == pool_sizes[2]
+
+
+def test_offloaded_storages_are_released_in_forward_and_the_pool_does_not_grow(case, monkeypatch):
+    _assert_released_in_forward_and_pool_steady(case, _plan(case, {"keep", "offload"}), monkeypatch)
 
 
 def test_offload_needs_a_bandwidth_on_cpu(case):
@@ -112,30 +117,7 @@ def test_hooked_regions_give_exact_gradients_and_release_what_they_offload(case,
     assert plan.counts[libra.Decision.OFFLOAD] > 0 and plan.counts[libra.Decision.RECOMPUTE] == 0
     case.train(plan, steps=2)
     case.reset()
-    sources = []
-    original = offload_mod.HostCopy.__init__
-
-    def watching(self, t, pool, stream):
-        sources.append(weakref.ref(t.untyped_storage()))
-        original(self, t, pool, stream)
-
-    monkeypatch.setattr(offload_mod.HostCopy, "__init__", watching)
-    model = case.ours
-    pool_sizes = []
-    with libra.apply(model, plan):
-        pool = model.__dict__[_ACTIVE_ATTR].offload.pool
-        for _ in range(3):
-            sources.clear()
-            loss = case.loss_fn(model(case.x), case.y)
-            gc.collect()
-            assert sources, "the plan offloads nothing"
-            alive = [s for s in sources if s() is not None]
-            assert not alive, f"{len(alive)} of {len(sources)} offloaded storages still on the device after forward"
-            loss.backward()
-            del loss
-            model.zero_grad(set_to_none=True)
-            pool_sizes.append(pool.allocated_bytes)
-    assert pool_sizes[0] > 0 and pool_sizes[0] == pool_sizes[1] == pool_sizes[2]
+    _assert_released_in_forward_and_pool_steady(case, plan, monkeypatch)
 
 
 def test_planner_hooks_units_when_copies_are_cheap(case):

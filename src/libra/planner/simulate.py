@@ -82,6 +82,13 @@ class SimResult:
     added_seconds: float
 
 
+def _prefetch_point(replays: list[int], t_r: int) -> int:
+    """NOTE [Prefetch]: where copies a region needs at ``t_r`` start back: the replay before it in backward order
+    (``replays`` is every active region's ``t_r``, sorted), or ``t_r`` itself for the first."""
+    pos = bisect.bisect_left(replays, t_r)
+    return replays[pos - 1] if pos > 0 else t_r
+
+
 class Simulator:
     """Predicts the peak and the added time of any plan over one profile."""
 
@@ -207,11 +214,7 @@ class Simulator:
             in_cache = saved - offloaded
             for ii, inst in enumerate(unit.instances):
                 last = inst.l_r if inst.l_r >= 0 else n
-                if inst.t_r >= 0:
-                    pos = bisect.bisect_left(replays, inst.t_r)
-                    prefetch = replays[pos - 1] if pos > 0 else inst.t_r
-                else:
-                    prefetch = 0
+                prefetch = _prefetch_point(replays, inst.t_r) if inst.t_r >= 0 else 0
                 producer = inst.producer
                 for k, s in enumerate(inst.sids):
                     touched[s] = None
@@ -290,8 +293,7 @@ class Simulator:
         n = self.n
         unit = self.units[ui]
         for ii, inst in enumerate(unit.instances):
-            pos = bisect.bisect_left(replays, inst.t_r)
-            prefetch = replays[pos - 1] if pos > 0 else inst.t_r
+            prefetch = _prefetch_point(replays, inst.t_r)
             window = self._op_time[inst.t_r] - self._op_time[prefetch]
             for s, seconds, end in self._hooked_copies(ui, ii):
                 touched[s] = None
@@ -304,7 +306,12 @@ class Simulator:
             for s in inst.external_inputs:  # the hooks keep the call's inputs as they are: saved on the device
                 touched[s] = None
                 holders.setdefault(s, []).append(inst.l_r if inst.l_r >= 0 else n)
-            base.add((inst.end - inst.start) * self.plain_costs[0] + self.plain_costs[2])
+            base.add(self._hook_call_seconds(inst))
+
+    def _hook_call_seconds(self, inst) -> float:
+        """What the hooks of one hooked call cost, at plain checkpoint's measured per-op and per-call costs (its
+        own are its pack hooks)."""
+        return (inst.end - inst.start) * self.plain_costs[0] + self.plain_costs[2]
 
     def _entry(self, ui: int, cached: frozenset[int]):
         """What unit ``ui``'s state entry means: ``(plain, offloaded, saved, forward seconds per op, seconds per
@@ -385,7 +392,7 @@ class Simulator:
                 for x in secs:
                     lane.add(2 * x)
                 offloads.append((inst.t_r, secs))
-                base.add((inst.end - inst.start) * self.plain_costs[0] + self.plain_costs[2])
+                base.add(self._hook_call_seconds(inst))
             return base.total, lane.total, offloads
         plain, offloaded, saved, per_op, per_call = self._entry(ui, cached)
         in_cache = saved - offloaded
@@ -531,8 +538,7 @@ class TimeModel:
         groups = self._offloads.get(t)
         if not groups:
             return
-        i = bisect.bisect_left(self._values, t)
-        prefetch = self._values[i - 1] if i > 0 else t
+        prefetch = _prefetch_point(self._values, t)
         op_time = self.sim._op_time
         window = op_time[t] - op_time[prefetch]
         for group in groups:

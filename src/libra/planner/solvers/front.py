@@ -277,36 +277,33 @@ class Front:
         return None
 
 
-def plainify(sim: Simulator, state: State, cap: int | None) -> tuple[State, SimResult]:
-    """``state`` with units turned plain, one at a time in forward order, wherever that makes it faster and keeps
-    the simulated peak at most ``cap`` (None: any peak); with its simulated result (NOTE [Plain regions])."""
+def _turn(sim: Simulator, state: State, cap: int | None, entry: frozenset[int], may) -> tuple[State, SimResult]:
+    """``state`` with its units set to ``entry``, one at a time in forward order, where ``may(unit)`` allows it,
+    that makes the plan faster and keeps the simulated peak at most ``cap`` (None: any peak); with its simulated
+    result."""
     best, current = sim.run(state), dict(state)
-    if sim.plain_costs is None:
-        return current, best
     for ui in sorted(state, key=lambda u: sim.units[u].instances[0].start):
-        if not sim.units[ui].plain_ok or current[ui] == PLAIN:
+        if current[ui] == entry or not may(ui):
             continue
         trial = dict(current)
-        trial[ui] = PLAIN
+        trial[ui] = entry
         got = sim.run(trial)
         if got.added_seconds < best.added_seconds and (cap is None or got.peak_bytes <= cap):
             best, current = got, trial
     return current, best
+
+
+def plainify(sim: Simulator, state: State, cap: int | None) -> tuple[State, SimResult]:
+    """``state`` with units turned plain wherever that makes it faster within ``cap`` (NOTE [Plain regions])."""
+    if sim.plain_costs is None:
+        return dict(state), sim.run(state)
+    return _turn(sim, state, cap, PLAIN, lambda ui: sim.units[ui].plain_ok)
 
 
 def hookify(sim: Simulator, state: State, cap: int | None) -> tuple[State, SimResult]:
-    """``state`` with checkpointed units turned hooked (NOTE [Hooked regions]), one at a time in forward order,
-    wherever that makes it faster and keeps the simulated peak at most ``cap`` (None: any peak)."""
-    best, current = sim.run(state), dict(state)
-    for ui in sorted(state, key=lambda u: sim.units[u].instances[0].start):
-        if current[ui] == HOOKED or not sim.hook_ok(ui):
-            continue
-        trial = dict(current)
-        trial[ui] = HOOKED
-        got = sim.run(trial)
-        if got.added_seconds < best.added_seconds and (cap is None or got.peak_bytes <= cap):
-            best, current = got, trial
-    return current, best
+    """``state`` with checkpointed units turned hooked wherever that makes it faster within ``cap`` (NOTE [Hooked
+    regions])."""
+    return _turn(sim, state, cap, HOOKED, sim.hook_ok)
 
 
 def plain_variants(sim: Simulator, state: State, plain: bool = True,
