@@ -30,6 +30,7 @@ __all__ = ["Effects", "full_state", "state_for", "solve", "solve_at", "RECOMPUTE
 _POLISH_UNITS = 12
 _EXCHANGE_UNITS = 4
 _VERIFY_ROUNDS = 32
+_DETOURS = 8  # the path's first new units that each get a detour
 
 
 def state_for(sim: Simulator, moves) -> State:
@@ -148,6 +149,24 @@ class _Ranking:
                 heapq.heappush(self.heap, (-float(self.score[m]), u, m, (m,)))
 
 
+def _bundles(fx: Effects, red: np.ndarray, uv: np.ndarray, free: np.ndarray, on: np.ndarray):
+    """Each idle unit as a whole: ``(unit, moves, bytes freed, seconds)``, the moves every candidate of the unit that
+    frees bytes at the op ``red`` and ``uv`` were taken at (one mechanism each, the one freeing most per second)."""
+    out = []
+    for u in np.flatnonzero(~on).tolist():
+        ms_u = fx.moves_of_unit(u)
+        best: dict[int, int] = {}  # candidate -> its move that frees most here per second
+        for m in ms_u[free[ms_u]].tolist():
+            c = int(fx.move_cand[m])
+            if c not in best or red[m] * fx.move_cost[best[c]] > red[best[c]] * fx.move_cost[m]:
+                best[c] = m
+        if best:
+            ms = tuple(sorted(best.values()))
+            out.append((u, ms, int(red[list(ms)].sum()) - int(uv[u]),
+                        float(fx.unit_cost[u] + fx.move_cost[list(ms)].sum())))
+    return out
+
+
 class _Path:
     """The greedy's growth from eager with no budget, recorded option by option: growth for any budget follows it
     until the estimate first fits, so solves for several budgets share it."""
@@ -165,13 +184,18 @@ class _Path:
 
     def prefix(self, budget: int) -> list[int] | None:
         """The moves of the path up to where the estimate first fits ``budget``; None if it never does."""
+        i = self.first_fit(budget)
+        return None if i is None else self.moves[: self.ends[i]]
+
+    def first_fit(self, budget: int) -> int | None:
+        """The first position ``i`` of the path (the plan ``moves[:ends[i]]``) whose estimate fits ``budget``."""
         for i, peak in enumerate(self.peaks):
             if peak <= budget:
-                return self.moves[: self.ends[i]]
+                return i
         while not self.stuck:
             peak, t = self.tree.peak()
             if peak <= budget:
-                return list(self.moves)
+                return len(self.peaks) - 1
             if self.ranking is None or self.ranking.t != t:
                 self.ranking = _Ranking(self.fx, t, self.on, self.taken)
             option = self.ranking.pop(self.on, self.taken)
@@ -472,11 +496,7 @@ def solve_at(sim: Simulator, budget: int, effects: Effects | None = None, kinds=
         state, result = _full(sim, fx, variant)
         if result.peak_bytes > budget:
             continue
-        paths = fx.__dict__.setdefault("_paths", {})
-        if variant not in paths:
-            allowed = np.array([kind in variant for _, _, kind in fx.moves], dtype=bool)
-            paths[variant] = (allowed, _Path(fx, allowed))
-        allowed, path = paths[variant]
+        allowed, path = _path(fx, variant)
         search = _Search(sim, fx, budget, allowed)
         chosen, live = search.run(state, path)
         seconds = sim.run(state_for(sim, [fx.moves[c] for c in chosen])).added_seconds
@@ -487,6 +507,54 @@ def solve_at(sim: Simulator, budget: int, effects: Effects | None = None, kinds=
     _, variant, search, chosen, live = best
     chosen = search.polish(variant, chosen, live)
     return state_for(sim, [fx.moves[c] for c in chosen])
+
+
+def detours(sim: Simulator, fx: Effects) -> list[State]:
+    """Budget-independent plans off the greedy's path, anchors of the front (NOTE [Detours] in ``front.py``): where
+    the path checkpoints each of its first few new units, the plan so far plus, instead, all of the idle unit that
+    frees more bytes at that peak than the path's choice, the one freeing most per second of those."""
+    cache = fx.__dict__.setdefault("_detours", {})
+    if "states" in cache:
+        return cache["states"]
+    allowed, path = _path(fx, fx.kinds)
+    tree = PeakTree(fx.eager)
+    on = np.zeros(fx.n_units, dtype=bool)
+    taken = ~allowed
+    chosen: list[int] = []
+    out: list[State] = []
+    i = 0
+    while True:
+        while len(path.ends) - 1 <= i and not path.stuck:
+            path.first_fit(path.peaks[-1] - 1)  # grow the shared path by at least one option
+        if len(path.ends) - 1 <= i:
+            break
+        option = path.moves[path.ends[i]:path.ends[i + 1]]
+        u = int(fx.move_unit[option[0]])
+        if not on[u]:
+            if int(on.sum()) >= _DETOURS:
+                break
+            _, t = tree.peak()
+            mv, uv = fx.values_at(t)
+            red = -mv
+            bundles = _bundles(fx, red, uv, ~taken & (red > 0), on)
+            frees = int(red[option].sum()) - int(uv[u])
+            wider = [b for b in bundles if b[0] != u and b[2] > frees]
+            if wider:
+                _, ms, _, _ = max(wider, key=lambda b: (b[2] / max(b[3], 1e-12), -b[0]))
+                out.append(state_for(sim, [fx.moves[m] for m in chosen + list(ms)]))
+        _take(fx, tree, option, on, taken, chosen)
+        i += 1
+    cache["states"] = out
+    return out
+
+
+def _path(fx: Effects, variant: tuple[str, ...]) -> tuple[np.ndarray, _Path]:
+    """The growth path of moves of the kinds ``variant``, shared by every solve on ``fx``."""
+    paths = fx.__dict__.setdefault("_paths", {})
+    if variant not in paths:
+        allowed = np.array([kind in variant for _, _, kind in fx.moves], dtype=bool)
+        paths[variant] = (allowed, _Path(fx, allowed))
+    return paths[variant]
 
 
 def solve(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RECOMPUTE,),
@@ -509,5 +577,5 @@ def solve(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RE
     fronts = fx.__dict__.setdefault("_fronts", {})
     key = tuple(ladder)
     if key not in fronts:
-        fronts[key] = Front(sim, fx, lambda d: solve_at(sim, d, fx), ladder)
+        fronts[key] = Front(sim, fx, lambda d: solve_at(sim, d, fx), ladder, lambda: detours(sim, fx))
     return fronts[key].solve(budget)
