@@ -302,9 +302,9 @@ class Planning:
             on_device, offloaded = kept_split(state[ui])
             saved = set() if plain or hooked else unit.forced_save | on_device | offloaded
             for inst in unit.instances:
-                if hooked:  # everything it saves goes to host memory (NOTE [Hooked regions])
+                if hooked:  # what it saves goes to host memory, but what escapes it (NOTE [Hooked regions])
                     offloaded_ops.update(inst.start + inst.producer[k] for k in range(len(inst.sids))
-                                         if inst.packed[k])
+                                         if inst.packed[k] and not inst.escapes[k])
                     continue
                 recomputed_ops.update(inst.start + j for j in range(len(unit.op_names)) if j not in saved)
                 offloaded_ops.update(inst.start + j for j in offloaded)

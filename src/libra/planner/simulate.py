@@ -35,10 +35,13 @@ PLAIN: frozenset[int] = frozenset({1 << 40})
 # static tensors (parameters, buffers), is copied to host memory when it is saved and copied back when the call
 # that runs before it in backward order starts its backward (NOTE [Prefetch]), or at its own first unpack. The
 # device copy lives until the copy out is done and the forward no longer holds it; the copy back, until autograd
-# releases the saving nodes (eager's free time). A unit may be hooked when every storage saved inside it is saved
-# only there (a storage also saved outside would stay on the device and come back as a second copy) and the
-# profile has plain-checkpoint costs, which stand for the hooks' own (a pack hook per saved tensor). It is what
-# ``save_on_cpu`` does, with a pool of host buffers, copies that overlap compute, and per module call.
+# releases the saving nodes (eager's free time). What escapes the call (its output, saved inside by an in-place
+# ReLU and again by the next block, say) stays on the device, as in eager: when the call returns, the runtime drops
+# the host copies of the storages it returns and unpacks them from the device; the copy out was made all the same
+# (it started when the tensor was saved) and takes its time on the link. A unit may be hooked when every instance's
+# saves are unpacked and the profile has plain-checkpoint costs, which stand for the hooks' own (a pack hook per
+# saved tensor). It is what ``save_on_cpu`` does, with a pool of host buffers, copies that overlap compute, and per
+# module call.
 HOOKED: frozenset[int] = frozenset({1 << 41})
 
 
@@ -262,28 +265,28 @@ class Simulator:
 
     def hook_ok(self, ui: int) -> bool:
         """Whether unit ``ui`` may run hooked (NOTE [Hooked regions]): offloading is modelled, plain-checkpoint
-        costs were measured, every instance's saves are unpacked, and what it saves is saved nowhere else."""
+        costs were measured, and every instance's saves are unpacked."""
         got = self._hook_ok.get(ui)
         if got is None:
-            got = self.host_bandwidth is not None and self.plain_costs is not None
-            for ii, inst in enumerate(self.units[ui].instances):
-                if not got:
-                    break
-                got = inst.t_r >= 0 and all(
-                    self.pack_owner.get(pi) == (ui, ii)
-                    for k, s in enumerate(inst.sids) if inst.packed[k] for pi in self.packs_of.get(s, ())
-                )
+            got = self.host_bandwidth is not None and self.plain_costs is not None and all(
+                inst.t_r >= 0 for inst in self.units[ui].instances)
             self._hook_ok[ui] = got
         return got
 
     def _hooked_copies(self, ui: int, ii: int) -> list[tuple[int, float, int]]:
-        """(storage, seconds of one copy, end of the copy back) of what one hooked call offloads."""
+        """(storage, seconds of one copy, end of the copy back; -1 where the storage escapes the call and stays on
+        the device) of what one hooked call copies out."""
         inst = self.units[ui].instances[ii]
         nb = self._nbytes
         out = []
         for k, s in enumerate(inst.sids):
             if inst.packed[k]:
-                end = max(inst.bwd_end[k], self._free[s]) if self._free[s] >= inst.t_r else inst.bwd_end[k]
+                if inst.escapes[k]:
+                    end = -1
+                elif self._free[s] >= inst.t_r:
+                    end = max(inst.bwd_end[k], self._free[s])
+                else:
+                    end = inst.bwd_end[k]
                 out.append((s, nb[s] / self.host_bandwidth, end))
         return out
 
@@ -296,6 +299,9 @@ class Simulator:
             prefetch = _prefetch_point(replays, inst.t_r)
             window = self._op_time[inst.t_r] - self._op_time[prefetch]
             for s, seconds, end in self._hooked_copies(ui, ii):
+                if end < 0:  # stays on the device, as in eager; its copy out was made all the same
+                    lane.add(seconds)
+                    continue
                 touched[s] = None
                 done = bisect.bisect_left(self._op_time, self._op_time[self._alloc[s]] + seconds)
                 holders.setdefault(s, []).append(min(done, n))
@@ -388,9 +394,11 @@ class Simulator:
             base, lane = _ExactSum(), _ExactSum()
             offloads = []
             for ii, inst in enumerate(unit.instances):
-                secs = [seconds for _, seconds, _ in self._hooked_copies(ui, ii)]
-                for x in secs:
-                    lane.add(2 * x)
+                secs = []
+                for _, seconds, end in self._hooked_copies(ui, ii):
+                    lane.add(seconds if end < 0 else 2 * seconds)
+                    if end >= 0:
+                        secs.append(seconds)
                 offloads.append((inst.t_r, secs))
                 base.add(self._hook_call_seconds(inst))
             return base.total, lane.total, offloads

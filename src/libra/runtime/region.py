@@ -220,7 +220,16 @@ class HookRun:
     def run(self, *args, **kwargs):
         self.inputs = {storage_key(t) for t in tensors_in(list(args)) + tensors_in(list(kwargs.values()))}
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
-            return self.forward(*args, **kwargs)
+            out = self.forward(*args, **kwargs)
+        # what the call returns stays on the device, as in eager (the next call may save it too): its saves are
+        # unpacked from the device storage, and their host buffer goes back to the pool
+        for t in tensors_in([out]):
+            copy = self.by_storage.get((storage_key(t), t.dtype))
+            if copy is not None and copy.buffer is not None:
+                with _internal():
+                    copy.stay(torch.as_strided(t, (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0))
+                copy.release()
+        return out
 
     def pack(self, t: torch.Tensor):
         key = storage_key(t)
@@ -234,8 +243,9 @@ class HookRun:
                 flat = torch.as_strided(t, (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
                 copy = HostCopy(flat, ctx.pool, ctx.stream)
                 # the host buffer goes back to the pool once autograd has let go of every tensor saved from it
-                # (copies on the side stream stay ordered after any copy back still reading it)
-                weakref.finalize(copy, ctx.pool.release, copy.buffer)
+                # (copies on the side stream stay ordered after any copy back still reading it), or when the
+                # storage stays on the device after all (run); once either way
+                copy.release = weakref.finalize(copy, ctx.pool.release, copy.buffer)
                 self.by_storage[whole] = copy
                 self.copies.append(weakref.ref(copy))
                 # a storage's key is its address, which a storage made after this one dies can take: forget the
@@ -249,7 +259,7 @@ class HookRun:
         if not self.started:
             self.started = True
             self.offload_ctx.replay_started(self)
-        t = packed.source()
+        t = packed.source()  # alive while its storage stays on the device: the view that stays is of it
         if t is not None and t._version != packed.version:
             raise LibraError(
                 f"libra.apply: a tensor {self.region.module!r} saved for backward was changed in place after it "
@@ -261,7 +271,7 @@ class HookRun:
             return torch.as_strided(flat, packed.size, packed.stride, packed.offset)
 
     def prefetch(self) -> None:
-        """Starts bringing this call's offloaded tensors back to the device."""
+        """Starts bringing this call's offloaded tensors back to the device (those that stayed there need not)."""
         for ref in self.copies:
             copy = ref()
             if copy is not None:
