@@ -137,6 +137,18 @@ def test_planner_hooks_units_when_copies_are_cheap(case):
     case.train(fast, steps=2)
 
 
+def test_offload_only_minimum_uses_hooked_calls(case):
+    """With only offloading allowed, hooked calls (which offload everything a call saves but what it returns, where
+    a region offloads only its candidates and keeps the rest) reach lower than region offloads alone, and the plan
+    at that minimum trains with exact gradients."""
+    planning = Planning(case.profile, FAST, {"keep", "offload"})
+    regions_only = min(sel.lowest.peak_bytes for sel in planning.selections)
+    assert planning.min_budget_bytes() < regions_only
+    plan = libra.plan(planning, planning.min_budget_bytes())
+    assert any(r.hooked for r in plan.regions) and not any(r.plain for r in plan.regions)
+    case.train(plan, steps=2)
+
+
 class _Bumped(torch.nn.Module):
     """A block whose output ReLU saves (and nothing outside it does), changed in place after the block returns
     when ``bump`` is set."""

@@ -103,12 +103,15 @@ class Selection:
     @property
     def minimum(self) -> tuple[State, SimResult]:
         """The plan of the lowest peak found here, and its result: the lowest state (units turned plain where that
-        is faster at the same peak, NOTE [Plain regions]), then the greedy asked for one byte less while it finds
-        a plan (keeping some activations can lower the peak: a kept one spares a replay at the peak's moment)."""
+        is faster at the same peak, NOTE [Plain regions]; hooked where that lowers the peak, NOTE [Hooked regions]),
+        then the greedy asked for one byte less while it finds a plan (keeping some activations can lower the peak:
+        a kept one spares a replay at the peak's moment)."""
         if self._minimum is None:
             state, got = self.lowest_state, self.lowest
             if greedy.RECOMPUTE in self.kinds:  # a plain region recomputes everything
                 state, got = front.plainify(self.sim, state, got.peak_bytes)
+            if greedy.OFFLOAD in self.kinds:
+                state, got = front.hook_lowest(self.sim, state)
             for _ in range(_MINIMUM_ROUNDS):
                 lower = greedy.solve(self.sim, got.peak_bytes - 1, self.effects)
                 if lower is None:

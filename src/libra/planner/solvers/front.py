@@ -333,6 +333,22 @@ def hookify(sim: Simulator, state: State, cap: int | None) -> tuple[State, SimRe
     return _turn(sim, state, cap, HOOKED, sim.hook_ok)
 
 
+def hook_lowest(sim: Simulator, state: State) -> tuple[State, SimResult]:
+    """``state`` with units (any that may, also ones it leaves alone) turned hooked, one at a time in forward order,
+    wherever that lowers the simulated peak, or keeps it and is faster: for the lowest plan, where a hooked call
+    that offloads what a region would keep on the device frees more (NOTE [Hooked regions])."""
+    best, current = sim.run(state), dict(state)
+    for ui in sorted(range(len(sim.units)), key=lambda u: sim.units[u].instances[0].start):
+        if current.get(ui) == HOOKED or not sim.hook_ok(ui):
+            continue
+        trial = dict(current)
+        trial[ui] = HOOKED
+        got = sim.run(trial)
+        if (got.peak_bytes, got.added_seconds) < (best.peak_bytes, best.added_seconds):
+            best, current = got, trial
+    return current, best
+
+
 def plain_variants(sim: Simulator, state: State, plain: bool = True,
                    hooks: bool = False) -> list[tuple[float, int, State]]:
     """``state`` with units turned plain where that makes it faster (``plain``: recomputing is allowed), and
