@@ -85,14 +85,7 @@ class Selection:
         """The full state less every unit whose checkpointing does not lower its peak (the last block in forward,
         replayed as soon as backward starts, typically): the lowest peak, for less time."""
         if self._lowest_state is None:
-            state = dict(self.full_state)
-            peak = self.sim.run(state).peak_bytes
-            # backward order: the first units to replay are the likeliest to gain nothing
-            for ui in sorted(state, key=lambda u: -self.units[u].instances[0].start):
-                trial = {u: c for u, c in state.items() if u != ui}
-                if self.sim.run(trial).peak_bytes <= peak:
-                    state = trial
-                    peak = self.sim.run(state).peak_bytes
+            state = greedy.without_idle_units(self.sim, self.effects, self.full_state) if self.full_state else {}
             self._lowest_state = state
         return self._lowest_state
 

@@ -65,6 +65,45 @@ def full_state(sim: Simulator, kinds=(RECOMPUTE,)) -> State:
     return best
 
 
+def without_idle_units(sim: Simulator, fx: Effects, state: State) -> State:
+    """``state`` less every unit whose checkpointing does not lower its simulated peak, tried in backward order (the
+    first units to replay are the likeliest to gain nothing). Each drop is screened on the estimate (the state's
+    simulated curve less the unit's effects, O(unit size log n)), and the simulator checks the result; where it
+    disagrees, the longest prefix of the drops it accepts (a bisection: O(log units) runs)."""
+    chosen = _moves_of(fx, state)
+    live, _ = sim.live(state)
+    peak = int(live.max())
+    tree = PeakTree(live)
+    by_unit: dict[int, list[int]] = {}
+    for m in chosen:
+        by_unit.setdefault(int(fx.move_unit[m]), []).append(m)
+    dropped: list[int] = []
+    for ui in sorted(by_unit, key=lambda u: -sim.units[u].instances[0].start):
+        mark = tree.mark()
+        tree.add_merged([(*fx.move_points(m), -1) for m in by_unit[ui]] + [(*fx.unit_points(ui), -1)])
+        if tree.peak()[0] <= peak:
+            dropped.append(ui)
+            peak = tree.peak()[0]
+        else:
+            tree.rollback(mark)
+
+    def rest(k: int) -> State:
+        gone = set(dropped[:k])
+        return {u: c for u, c in state.items() if u not in gone}
+
+    limit = int(live.max())
+    if sim.run(rest(len(dropped))).peak_bytes <= limit:
+        return rest(len(dropped))
+    lo, hi = 0, len(dropped)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if sim.run(rest(mid)).peak_bytes <= limit:
+            lo = mid
+        else:
+            hi = mid
+    return rest(lo)
+
+
 def _moves_of(fx: Effects, state: State) -> list[int]:
     """Indices of the moves that make ``state``."""
     out = []
