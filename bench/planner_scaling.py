@@ -109,6 +109,8 @@ def monotonicity() -> dict:
                     seconds = libra.plan(planning, budget).predicted_step_seconds
                 else:
                     state = solve(planning.sim, planning.target_bytes(budget), planning.effects)
+                    if state is None:  # below every candidate evicted: only the planner's searched minimum fits
+                        continue
                     seconds = prof.eager_step_seconds + planning.sim.run(state).added_seconds
                 if prev is not None:
                     steps += 1
