@@ -29,12 +29,12 @@ ranked by their simulated added seconds, which :class:`~libra.planner.simulate.T
 chain, so equal plans tie exactly. Only rungs at or below ``b`` are solved, when first needed, and remembered with
 the effects.
 
-Measured over 41 budgets from the floor to eager (``bench/planner_scaling.py``): on synthetic chains of 2-40 blocks
-the chosen plan costs on average 1-4% less than the greedy's plan for the exact budget (with offloading allowed,
-from 1% more to 28% less: the greedy alone is far from monotone there); it is more than 3% dearer at 0-5% of the
-budgets (2-17% with offloading), between rungs, where the cost of a plan changes fastest; on the test models (GPT,
-MLP, ResNet) at 0-2%. The cost: a greedy solve per rung below ``b`` (they share one growth path) and two chains per
-rung, each O(k (log n + unit size)) for a plan of k moves over n ops.
+Measured over 41 budgets from the floor to eager (``bench/planner_scaling.py``, 2026-12-03): on synthetic chains of
+2-40 blocks the chosen plan costs on average 0.5% more to 1.6% less than the greedy's plan for the exact budget (with
+offloading allowed, from 1% more to 28% less: the greedy alone is far from monotone there); it is more than 3% dearer
+at 0-10% of the budgets (0-17% with offloading), between rungs, where the cost of a plan changes fastest; on the test
+models (GPT, MLP, ResNet; 2026-12-02) at 0-2%. The cost: a greedy solve per rung below ``b`` (they share one growth
+path) and two chains per rung, each O(k (log n + unit size)) for a plan of k moves over n ops.
 
 NOTE [Detours]: a unit costs a fixed charge to checkpoint at all (its region's machinery) on top of its moves, so
 "fewer units, more moves each" often wins where few units are needed. The greedy grows by the best bytes freed per
