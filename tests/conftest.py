@@ -25,8 +25,9 @@ MODELS = {
 class Case:
     """One model, a profile of it, and the means to train an eager copy and a Libra copy side by side.
 
-    The same tensors are live whenever a Libra step starts as when the profile was taken: the base model, an eager
-    copy and a Libra copy, none holding gradients (SGD without momentum keeps no state).
+    The same tensors are live whenever a Libra step starts as when the profile was taken: every case's base model,
+    eager copy and Libra copy, none holding gradients (SGD without momentum keeps no state). ``take_profile`` runs
+    once all cases exist (the ``case`` fixture), so the order tests first ask for them does not matter.
     """
 
     def __init__(self, name: str) -> None:
@@ -34,6 +35,8 @@ class Case:
         self.base, self.x, self.y, self.loss_fn = MODELS[name]()
         self.eager = copy.deepcopy(self.base)
         self.ours = copy.deepcopy(self.base)
+
+    def take_profile(self) -> None:
         torch.manual_seed(1234)
         self.profile = libra.profile(self.ours, lambda: self.loss_fn(self.ours(self.x), self.y).backward())
         torch.manual_seed(1234)
@@ -74,8 +77,12 @@ _CASES: dict[str, Case] = {}
 
 @pytest.fixture(params=sorted(MODELS))
 def case(request):
-    if request.param not in _CASES:
-        _CASES[request.param] = Case(request.param)
+    if not _CASES:
+        # every case's models first, then the profiles: each profile's static bytes then count the same live
+        # tensors (all cases' models), whichever case a test uses first
+        _CASES.update((name, Case(name)) for name in sorted(MODELS))
+        for c in _CASES.values():
+            c.take_profile()
     c = _CASES[request.param]
     c.reset()
     return c
