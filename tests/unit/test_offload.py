@@ -123,7 +123,8 @@ def test_hooked_regions_give_exact_gradients_and_release_what_they_offload(case,
     case.reset()
     stayed = _assert_released_in_forward_and_pool_steady(case, plan, monkeypatch)
     if case.name == "resnet":  # its blocks return what their last (in-place) ReLU saved: that stays on the device
-        assert stayed > 0
+        assert any(r.stay for r in plan.regions)
+    assert stayed == 0  # the plan named every save that stays: none was copied out for nothing
 
 
 def test_planner_hooks_units_when_copies_are_cheap(case):
@@ -216,14 +217,20 @@ def _hook_block_a(model, x):
     return planning.build(state, prof.eager_peak_bytes, sel.sim.run(state), "greedy", 0.0, sel)
 
 
-def test_hooked_call_keeps_what_it_returns_on_the_device(monkeypatch):
+@pytest.mark.parametrize("named", [True, False], ids=["named", "found-on-return"])
+def test_hooked_call_keeps_what_it_returns_on_the_device(monkeypatch, named):
     """NOTE [Hooked regions]: a storage the call saves and returns stays on the device (the next block saves it
-    anyway), unpacked from there with exact gradients; what only the call saves goes to host memory."""
+    anyway), unpacked from there with exact gradients; what only the call saves goes to host memory. The plan names
+    the saves that stay, so they are never copied; one it does not name is copied, then kept when the call returns."""
     torch.manual_seed(0)
     model, x = _Returns(chained=True), torch.randn(64, 16)
     ref = copy.deepcopy(model)
     ref(x).sum().backward()
     plan = _hook_block_a(model, x)
+    (region,) = plan.regions
+    assert region.stay == [2]  # saves of a's own tensors: ReLU's output, the second Linear's input (the same), ReLU's
+    if not named:
+        region.stay = []
     copies = []
     original = offload_mod.HostCopy.__init__
 
@@ -234,9 +241,9 @@ def test_hooked_call_keeps_what_it_returns_on_the_device(monkeypatch):
     monkeypatch.setattr(offload_mod.HostCopy, "__init__", watching)
     with libra.apply(model, plan):
         model(x).sum().backward()
-    stayed = [c for c in copies if c.stayed is not None]
     # the inner ReLU's output (saved by it and the second Linear: one copy) leaves; the returned one stays
-    assert len(copies) == 2 and len(stayed) == 1
+    assert len(copies) == (1 if named else 2)
+    assert sum(c.stayed is not None for c in copies) == (0 if named else 1)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)
 
@@ -246,6 +253,38 @@ def test_hooked_call_checks_the_version_of_what_stays():
     raises, and so does the hooked call."""
     torch.manual_seed(0)
     model, x = _Returns(chained=False), torch.randn(64, 16)
+    plan = _hook_block_a(model, x)
+    model.bump = True
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()
+    with libra.apply(model, plan):
+        with pytest.raises(libra.LibraError, match="changed in place after it was saved"):
+            model(x).sum().backward()
+
+
+class _InputBumped(torch.nn.Module):
+    """A block whose input (which its Linear saves, on the device) the caller changes in place after the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(16, 16)
+        self.a = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU())
+        self.bump = False
+
+    def forward(self, x):
+        h = self.pre(x)
+        y = self.a(h)
+        if self.bump:
+            h.add_(1)
+        return y
+
+
+def test_hooked_call_checks_the_version_of_its_inputs():
+    """Under the hooks autograd checks no version at all, also not of the tensors a hooked call leaves on the
+    device (its inputs): an input changed in place after the call raises, as in eager, instead of a wrong
+    gradient."""
+    torch.manual_seed(0)
+    model, x = _InputBumped(), torch.randn(64, 16)
     plan = _hook_block_a(model, x)
     model.bump = True
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):

@@ -28,6 +28,21 @@ def test_round_trip(saved):
     assert loaded.regions and loaded.counts[libra.Decision.RECOMPUTE] > 0
 
 
+def test_round_trip_of_a_hooked_plan(tmp_path):
+    """A hooked region's ``stay`` (the saves left on the device) survives the file."""
+    from libra.planner.simulate import HOOKED
+
+    model, x, y, loss_fn = models.make_resnet(batch=2, size=16)
+    prof = libra.profile(model, lambda: loss_fn(model(x), y).backward())
+    planning = Planning(prof, 1e10)
+    sel = planning.selections[0]
+    state = {ui: HOOKED for ui in range(len(sel.units)) if sel.sim.hook_ok(ui)}
+    plan = planning.build(state, prof.eager_peak_bytes, sel.sim.run(state), "greedy", 0.0, sel)
+    assert any(r.hooked and r.stay for r in plan.regions)
+    plan.save(tmp_path / "hooked.json")
+    assert libra.Plan.load(tmp_path / "hooked.json") == plan
+
+
 def _edit(path, tmp_path, fn):
     data = json.loads(path.read_text())
     fn(data)
@@ -47,6 +62,7 @@ def _edit(path, tmp_path, fn):
         (lambda d: d["regions"][0].update(save=[10**6]), "beyond"),
         (lambda d: d["decisions"].update({"x:y#0": "teleport"}), "teleport"),
         (lambda d: d.update(predicted_step_seconds="fast"), "should be float"),
+        (lambda d: d["regions"][0].update(stay=[0], hooked=False), "not hooked"),
     ],
 )
 def test_hand_edited_plans_are_refused(saved, tmp_path, edit, message):

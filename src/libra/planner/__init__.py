@@ -282,6 +282,28 @@ class Planning:
             keys.append(f"{where}:{o.name}#{occ}")
         return keys
 
+    def _stay_ordinals(self, unit) -> list[int]:
+        """A hooked unit's saves that stay on the device (``RegionPlan.stay``): ordinals among the saves of storages
+        the call makes, in pack order, of those that escape it; none where its calls differ (the runtime then finds
+        them when the call returns, after copying them out)."""
+        packs, storages = self.profile.packs, self.profile.storages
+        found = None
+        for inst in unit.instances:
+            escapes = {s: e for s, e in zip(inst.sids, inst.escapes)}
+            ordinals = []
+            j = 0
+            for pi in inst.packs:
+                s = packs[pi].storage
+                if storages[s].static or s not in escapes:
+                    continue  # a parameter, buffer or input: the runtime leaves it alone and does not count it
+                if escapes[s]:
+                    ordinals.append(j)
+                j += 1
+            if found is not None and ordinals != found:
+                return []
+            found = ordinals
+        return found or []
+
     def build(self, state: State, budget: int, result: SimResult, solver: str, seconds: float,
               selection: Selection | None = None) -> Plan:
         """The Plan of ``state`` over ``selection``'s units (default: the finest selection)."""
@@ -316,6 +338,7 @@ class Planning:
                     skip=[] if plain or hooked else sorted(sel.sim.skip_of(ui, saved)),
                     plain=plain,
                     hooked=hooked,
+                    stay=self._stay_ordinals(unit) if hooked else [],
                 )
             )
         keys = self._op_keys()

@@ -26,7 +26,12 @@ def explain_plan(plan: Plan) -> str:
         lines.append(f"  checkpointed modules ({len(plan.regions)}): ops kept / replayed / left out of the replay")
         for r in plan.regions:
             name = r.module + (f"[{r.call}]" if r.call else "")
-            how = "  plain checkpoint" if r.plain else "  hooked: what it saves goes to host memory" if r.hooked else ""
+            if r.plain:
+                how = "  plain checkpoint"
+            elif r.hooked:
+                how = "  hooked: what it saves goes to host memory, but what it returns"
+            else:
+                how = ""
             replayed = len(r.ops) - len(r.save) - len(r.skip)
             lines.append(f"    {name:<32} {len(r.save):>4} / {replayed:<4} / {len(r.skip):<4}{how}")
         recomputed = [k for k, d in plan.decisions.items() if d is Decision.RECOMPUTE]

@@ -29,9 +29,10 @@ _PLAN_FIELDS = {
     "planner_seconds": float,
     "input_signature": list,
 }
-_OPTIONAL = {"input_signature", "skip", "plain", "hooked"}  # added after schema 1 was first written; absent means "not recorded"
+# added after schema 1 was first written; absent means "not recorded"
+_OPTIONAL = {"input_signature", "skip", "plain", "hooked", "stay"}
 _REGION_FIELDS = {"module": str, "call": int, "ops": list, "save": list, "offload": list, "protect": dict,
-                  "input_shapes": list, "skip": list, "plain": bool, "hooked": bool}
+                  "input_shapes": list, "skip": list, "plain": bool, "hooked": bool, "stay": list}
 _NON_NEGATIVE = {"budget_bytes", "predicted_peak_bytes", "eager_peak_bytes", "static_bytes", "predicted_step_seconds",
                  "eager_step_seconds", "planner_seconds"}
 
@@ -60,6 +61,7 @@ def plan_to_dict(plan: Plan) -> dict:
                 "skip": list(r.skip),
                 "plain": r.plain,
                 "hooked": r.hooked,
+                "stay": list(r.stay),
             }
             for r in plan.regions
         ],
@@ -153,9 +155,12 @@ def plan_from_dict(data: dict, path="<dict>") -> Plan:
         if hooked and (plain or save or offload or skip or protect):
             raise _fail(path, f"{where} is hooked (offloads everything it saves) but is also plain, or saves, "
                               "offloads, skips or protects ops")
+        stay = _int_list(r.get("stay", []), f"{where}.stay", path)
+        if stay and not hooked:
+            raise _fail(path, f"{where} keeps saves on the device (stay) but is not hooked")
         regions.append(RegionPlan(module=r["module"], call=r["call"], ops=list(r["ops"]), save=save,
                                   offload=offload, protect=protect, input_shapes=shapes, skip=skip, plain=plain,
-                                  hooked=hooked))
+                                  hooked=hooked, stay=stay))
     parameters = []
     for entry in data["parameters"]:
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[2], str)):

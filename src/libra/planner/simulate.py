@@ -36,9 +36,9 @@ PLAIN: frozenset[int] = frozenset({1 << 40})
 # that runs before it in backward order starts its backward (NOTE [Prefetch]), or at its own first unpack. The
 # device copy lives until the copy out is done and the forward no longer holds it; the copy back, until autograd
 # releases the saving nodes (eager's free time). What escapes the call (its output, saved inside by an in-place
-# ReLU and again by the next block, say) stays on the device, as in eager: when the call returns, the runtime drops
-# the host copies of the storages it returns and unpacks them from the device; the copy out was made all the same
-# (it started when the tensor was saved) and takes its time on the link. A unit may be hooked when every instance's
+# ReLU and again by the next block, say) stays on the device, as in eager: the plan names its saves (``stay``,
+# ordinals in pack order), which the hooks leave uncopied; one the plan missed (a call that saved other tensors than
+# profiled) is found when the call returns, and its host copy dropped. A unit may be hooked when every instance's
 # saves are unpacked and the profile has plain-checkpoint costs, which stand for the hooks' own (a pack hook per
 # saved tensor). It is what ``save_on_cpu`` does, with a pool of host buffers, copies that overlap compute, and per
 # module call.
@@ -299,8 +299,7 @@ class Simulator:
             prefetch = _prefetch_point(replays, inst.t_r)
             window = self._op_time[inst.t_r] - self._op_time[prefetch]
             for s, seconds, end in self._hooked_copies(ui, ii):
-                if end < 0:  # stays on the device, as in eager; its copy out was made all the same
-                    lane.add(seconds)
+                if end < 0:  # stays on the device, as in eager, never copied (RegionPlan.stay)
                     continue
                 touched[s] = None
                 done = bisect.bisect_left(self._op_time, self._op_time[self._alloc[s]] + seconds)
@@ -396,8 +395,8 @@ class Simulator:
             for ii, inst in enumerate(unit.instances):
                 secs = []
                 for _, seconds, end in self._hooked_copies(ui, ii):
-                    lane.add(seconds if end < 0 else 2 * seconds)
                     if end >= 0:
+                        lane.add(2 * seconds)
                         secs.append(seconds)
                 offloads.append((inst.t_r, secs))
                 base.add(self._hook_call_seconds(inst))

@@ -39,6 +39,9 @@ class RegionPlan:
         hooked: run the call under saved-tensor hooks that copy what it saves to host memory and back, with no
             checkpoint (NOTE [Hooked regions] in planner/simulate.py): nothing is recomputed; ``save``,
             ``offload`` and ``skip`` are empty.
+        stay: hooked only: which of the call's saves stay on the device, uncopied: ordinals among the saves of
+            its own tensors (not its inputs, parameters or buffers) in the order autograd makes them; the saves of
+            what the call returns.
     """
 
     module: str
@@ -51,6 +54,7 @@ class RegionPlan:
     skip: list[int] = field(default_factory=list)
     plain: bool = False
     hooked: bool = False
+    stay: list[int] = field(default_factory=list)
 
 
 @dataclass

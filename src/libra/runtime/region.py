@@ -189,6 +189,16 @@ class _Packed:
         self.version = t._version
 
 
+class _Held:
+    """What a hooked call's pack hook returns for a tensor it leaves on the device (an input, a parameter, what the
+    call returns): the tensor and its version when saved (NOTE [Version checks])."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.version = t, t._version
+
+
 class HookRun:
     """One call of a hooked region (NOTE [Hooked regions] in planner/simulate.py): the module's forward under
     saved-tensor hooks that copy every tensor autograd saves, except the call's inputs and ``keep`` (parameters and
@@ -216,13 +226,16 @@ class HookRun:
         self.copies: list[weakref.ref] = []
         self.inputs: set[int] = set()
         self.started = False
+        self.stay = set(region.stay)
+        self.ordinal = 0  # saves of the call's own tensors so far (RegionPlan.stay)
 
     def run(self, *args, **kwargs):
         self.inputs = {storage_key(t) for t in tensors_in(list(args)) + tensors_in(list(kwargs.values()))}
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             out = self.forward(*args, **kwargs)
-        # what the call returns stays on the device, as in eager (the next call may save it too): its saves are
-        # unpacked from the device storage, and their host buffer goes back to the pool
+        # what the call returns stays on the device, as in eager (the next call may save it too). The plan's
+        # ``stay`` saved it uncopied; one it missed (a call that saved other tensors than profiled) was copied:
+        # its saves are unpacked from the device storage now, and its host buffer goes back to the pool
         for t in tensors_in([out]):
             copy = self.by_storage.get((storage_key(t), t.dtype))
             if copy is not None and copy.buffer is not None:
@@ -234,7 +247,10 @@ class HookRun:
     def pack(self, t: torch.Tensor):
         key = storage_key(t)
         if key is None or key in self.keep or key in self.inputs or t.device != self.device:
-            return t
+            return _Held(t)
+        self.ordinal += 1
+        if self.ordinal - 1 in self.stay:  # what the call returns: saved as it is, never copied
+            return _Held(t)
         ctx = self.offload_ctx
         with _internal():
             whole = (key, t.dtype)
@@ -254,18 +270,20 @@ class HookRun:
             return _Packed(self, copy, t)
 
     def unpack(self, packed):
-        if not isinstance(packed, _Packed):
-            return packed
         if not self.started:
             self.started = True
             self.offload_ctx.replay_started(self)
-        t = packed.source()  # alive while its storage stays on the device: the view that stays is of it
+        held = isinstance(packed, _Held)
+        # a copy's source is alive while its storage stays on the device (the view that stays is of it)
+        t = packed.t if held else packed.source()
         if t is not None and t._version != packed.version:
             raise LibraError(
                 f"libra.apply: a tensor {self.region.module!r} saved for backward was changed in place after it "
-                "was saved, so its offloaded copy is out of date (eager PyTorch raises here too). Fix: use an "
+                "was saved, so the saved value is out of date (eager PyTorch raises here too). Fix: use an "
                 "out-of-place op, or plan without offloading this module (decisions={'keep', 'recompute'})."
             )
+        if held:
+            return t
         with _internal():
             flat = packed.copy.get(self.offload_ctx.stream)
             return torch.as_strided(flat, packed.size, packed.stride, packed.offset)
