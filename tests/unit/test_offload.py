@@ -263,11 +263,12 @@ def test_hooked_call_checks_the_version_of_what_stays():
 
 
 class _InputBumped(torch.nn.Module):
-    """A block whose input (which its Linear saves, on the device) the caller changes in place after the call."""
+    """A block whose input (which its Linear saves, on the device: ``pre``'s ReLU saves it too) the caller changes
+    in place after the call."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.pre = torch.nn.Linear(16, 16)
+        self.pre = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
         self.a = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU())
         self.bump = False
 
@@ -277,6 +278,46 @@ class _InputBumped(torch.nn.Module):
         if self.bump:
             h.add_(1)
         return y
+
+
+class _SavesItsInput(torch.nn.Module):
+    """A block whose input nothing but the block saves (``pre``'s Linear saves its own input, not its output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(16, 16)
+        self.a = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+
+    def forward(self, x):
+        return self.a(self.pre(x))
+
+
+def test_hooked_call_offloads_an_input_only_it_saves(monkeypatch):
+    """``RegionPlan.offload_inputs``: an input nothing else saves goes to host memory with the rest, so its device
+    storage is gone once the caller lets go of it; gradients stay exact."""
+    torch.manual_seed(0)
+    model, x = _SavesItsInput(), torch.randn(64, 16)
+    ref = copy.deepcopy(model)
+    ref(x).sum().backward()
+    plan = _hook_block_a(model, x)
+    (region,) = plan.regions
+    assert region.offload_inputs
+    sources = []
+    original = offload_mod.HostCopy.__init__
+
+    def watching(self, t, pool, stream):
+        sources.append(weakref.ref(t.untyped_storage()))
+        original(self, t, pool, stream)
+
+    monkeypatch.setattr(offload_mod.HostCopy, "__init__", watching)
+    with libra.apply(model, plan):
+        loss = model(x).sum()
+        gc.collect()
+        # pre's output (a's input), the ReLU's output (saved by it and the last Linear): both copied, both gone
+        assert len(sources) == 2 and all(s() is None for s in sources)
+        loss.backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
 
 
 def test_hooked_call_checks_the_version_of_its_inputs():

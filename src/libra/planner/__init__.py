@@ -323,6 +323,10 @@ class Planning:
                 if hooked:  # what it saves goes to host memory, but what escapes it (NOTE [Hooked regions])
                     offloaded_ops.update(inst.start + inst.producer[k] for k in range(len(inst.sids))
                                          if inst.packed[k] and not inst.escapes[k])
+                    if sel.sim.hook_inputs_ok(ui):
+                        ii = unit.instances.index(inst)
+                        offloaded_ops.update(prof.storages[s].producer for s in sel.sim.own_input_packs(ui, ii)
+                                             if prof.storages[s].producer >= 0)
                     continue
                 recomputed_ops.update(inst.start + j for j in range(len(unit.op_names)) if j not in saved)
                 offloaded_ops.update(inst.start + j for j in offloaded)
@@ -339,6 +343,7 @@ class Planning:
                     plain=plain,
                     hooked=hooked,
                     stay=self._stay_ordinals(unit) if hooked else [],
+                    offload_inputs=hooked and sel.sim.hook_inputs_ok(ui),
                 )
             )
         keys = self._op_keys()

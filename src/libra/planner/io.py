@@ -30,9 +30,10 @@ _PLAN_FIELDS = {
     "input_signature": list,
 }
 # added after schema 1 was first written; absent means "not recorded"
-_OPTIONAL = {"input_signature", "skip", "plain", "hooked", "stay"}
+_OPTIONAL = {"input_signature", "skip", "plain", "hooked", "stay", "offload_inputs"}
 _REGION_FIELDS = {"module": str, "call": int, "ops": list, "save": list, "offload": list, "protect": dict,
-                  "input_shapes": list, "skip": list, "plain": bool, "hooked": bool, "stay": list}
+                  "input_shapes": list, "skip": list, "plain": bool, "hooked": bool, "stay": list,
+                  "offload_inputs": bool}
 _NON_NEGATIVE = {"budget_bytes", "predicted_peak_bytes", "eager_peak_bytes", "static_bytes", "predicted_step_seconds",
                  "eager_step_seconds", "planner_seconds"}
 
@@ -62,6 +63,7 @@ def plan_to_dict(plan: Plan) -> dict:
                 "plain": r.plain,
                 "hooked": r.hooked,
                 "stay": list(r.stay),
+                "offload_inputs": r.offload_inputs,
             }
             for r in plan.regions
         ],
@@ -156,11 +158,12 @@ def plan_from_dict(data: dict, path="<dict>") -> Plan:
             raise _fail(path, f"{where} is hooked (offloads everything it saves) but is also plain, or saves, "
                               "offloads, skips or protects ops")
         stay = _int_list(r.get("stay", []), f"{where}.stay", path)
-        if stay and not hooked:
-            raise _fail(path, f"{where} keeps saves on the device (stay) but is not hooked")
+        offload_inputs = r.get("offload_inputs", False)
+        if (stay or offload_inputs) and not hooked:
+            raise _fail(path, f"{where} keeps saves on the device (stay) or offloads its inputs but is not hooked")
         regions.append(RegionPlan(module=r["module"], call=r["call"], ops=list(r["ops"]), save=save,
                                   offload=offload, protect=protect, input_shapes=shapes, skip=skip, plain=plain,
-                                  hooked=hooked, stay=stay))
+                                  hooked=hooked, stay=stay, offload_inputs=offload_inputs))
     parameters = []
     for entry in data["parameters"]:
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[2], str)):

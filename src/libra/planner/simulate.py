@@ -31,8 +31,9 @@ State = dict[int, frozenset[int]]
 PLAIN: frozenset[int] = frozenset({1 << 40})
 
 # NOTE [Hooked regions]: a unit whose entry is HOOKED runs under saved-tensor hooks alone: no checkpoint, no
-# dispatch mode, nothing recomputed. Every tensor autograd saves inside the call, except the call's inputs and
-# static tensors (parameters, buffers), is copied to host memory when it is saved and copied back when the call
+# dispatch mode, nothing recomputed. Every tensor autograd saves inside the call, except static tensors
+# (parameters, buffers) and the call's inputs (unless nothing else saves them: ``hook_inputs_ok``, where the device
+# storage goes once the caller lets go of it), is copied to host memory when it is saved and copied back when the call
 # that runs before it in backward order starts its backward (NOTE [Prefetch]), or at its own first unpack. The
 # device copy lives until the copy out is done and the forward no longer holds it; the copy back, until autograd
 # releases the saving nodes (eager's free time). What escapes the call (its output, saved inside by an in-place
@@ -154,6 +155,7 @@ class Simulator:
         # each time, as the cache's clones are); older and synthetic profiles fall back to DEFAULT_COPY_BANDWIDTH
         self.copy_seconds_per_byte = profile.copy_seconds_per_byte or 1.0 / DEFAULT_COPY_BANDWIDTH
         self._hook_ok: dict[int, bool] = {}
+        self._hook_inputs_ok: dict[int, bool] = {}
         self._recent: dict[tuple, tuple[np.ndarray, float]] = {}
         self._unit_times: dict[tuple[int, frozenset[int]], tuple] = {}
         # plain-Python copies for the per-storage loops (numpy scalar indexing is slow)
@@ -273,6 +275,28 @@ class Simulator:
             self._hook_ok[ui] = got
         return got
 
+    def hook_inputs_ok(self, ui: int) -> bool:
+        """Whether hooked unit ``ui`` also offloads the inputs it saves (``RegionPlan.offload_inputs``): each is
+        saved by nothing but that call, so its device storage can go once the caller lets go of it (a U-Net's skip
+        connection, a transformer block's residual stream); never one the previous block saves too (a ResNet
+        block's input)."""
+        got = self._hook_inputs_ok.get(ui)
+        if got is None:
+            got = any(self.own_input_packs(ui, ii) for ii in range(len(self.units[ui].instances))) and all(
+                all(self.pack_owner.get(pi) == (ui, ii) for pi in self.packs_of[s])
+                for ii in range(len(self.units[ui].instances)) for s in self.own_input_packs(ui, ii))
+            self._hook_inputs_ok[ui] = got
+        return got
+
+    def own_input_packs(self, ui: int, ii: int) -> dict[int, list[int]]:
+        """Input storage -> the packs of it that instance ``ii`` of unit ``ui`` makes (inputs it saves)."""
+        out = {}
+        for s in self.units[ui].instances[ii].external_inputs:
+            own = [pi for pi in self.packs_of.get(s, ()) if self.pack_owner.get(pi) == (ui, ii)]
+            if own:
+                out[s] = own
+        return out
+
     def _hooked_copies(self, ui: int, ii: int) -> list[tuple[int, float, int]]:
         """(storage, seconds of one copy, end of the copy back; -1 where the storage escapes the call and stays on
         the device) of what one hooked call copies out."""
@@ -288,6 +312,20 @@ class Simulator:
                 else:
                     end = inst.bwd_end[k]
                 out.append((s, nb[s] / self.host_bandwidth, end))
+        return out
+
+    def _hooked_input_copies(self, ui: int, ii: int) -> list[tuple[int, float, int, int]]:
+        """(storage, seconds of one copy, end of the copy back, op the copy out starts at) of the inputs one hooked
+        call offloads (:meth:`hook_inputs_ok`)."""
+        if not self.hook_inputs_ok(ui):
+            return []
+        inst = self.units[ui].instances[ii]
+        packs = self.profile.packs
+        out = []
+        for s, own in self.own_input_packs(ui, ii).items():
+            last = max(packs[pi].last_unpack for pi in own)
+            end = max(last, self._free[s]) if self._free[s] >= inst.t_r else last
+            out.append((s, self._nbytes[s] / self.host_bandwidth, end, min(packs[pi].pack_op for pi in own)))
         return out
 
     def _hooked(self, ui: int, replays: list, touched: dict, holders: dict, extra_copies: list,
@@ -308,9 +346,21 @@ class Simulator:
                     extra_copies.append([prefetch, end, s])
                 exposed.add(max(0.0, seconds - window))
                 lane.add(2 * seconds)
-            for s in inst.external_inputs:  # the hooks keep the call's inputs as they are: saved on the device
+            offloaded = set()
+            for s, seconds, end, start in self._hooked_input_copies(ui, ii):
+                offloaded.add(s)
                 touched[s] = None
-                holders.setdefault(s, []).append(inst.l_r if inst.l_r >= 0 else n)
+                done = bisect.bisect_left(self._op_time, self._op_time[start] + seconds)
+                holders.setdefault(s, []).append(min(done, n))  # and the caller's last use (python_end)
+                if end >= inst.t_r:
+                    extra_copies.append([prefetch, end, s])
+                exposed.add(max(0.0, seconds - window))
+                lane.add(2 * seconds)
+            # the inputs it keeps are saved on the device as in eager: held until their saves are last unpacked
+            for s, own in self.own_input_packs(ui, ii).items():
+                if s not in offloaded:
+                    touched[s] = None
+                    holders.setdefault(s, []).append(max(self.pack_end[pi] for pi in own))
             base.add(self._hook_call_seconds(inst))
 
     def _hook_call_seconds(self, inst) -> float:
@@ -393,11 +443,10 @@ class Simulator:
             base, lane = _ExactSum(), _ExactSum()
             offloads = []
             for ii, inst in enumerate(unit.instances):
-                secs = []
-                for _, seconds, end in self._hooked_copies(ui, ii):
-                    if end >= 0:
-                        lane.add(2 * seconds)
-                        secs.append(seconds)
+                secs = [seconds for _, seconds, end in self._hooked_copies(ui, ii) if end >= 0]
+                secs += [seconds for _, seconds, _, _ in self._hooked_input_copies(ui, ii)]
+                for x in secs:
+                    lane.add(2 * x)
                 offloads.append((inst.t_r, secs))
                 base.add(self._hook_call_seconds(inst))
             return base.total, lane.total, offloads

@@ -42,6 +42,7 @@ class RegionPlan:
         stay: hooked only: which of the call's saves stay on the device, uncopied: ordinals among the saves of
             its own tensors (not its inputs, parameters or buffers) in the order autograd makes them; the saves of
             what the call returns.
+        offload_inputs: hooked only: the inputs it saves go to host memory too (nothing else saves them).
     """
 
     module: str
@@ -55,6 +56,7 @@ class RegionPlan:
     plain: bool = False
     hooked: bool = False
     stay: list[int] = field(default_factory=list)
+    offload_inputs: bool = False
 
 
 @dataclass

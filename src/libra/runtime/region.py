@@ -201,8 +201,9 @@ class _Held:
 
 class HookRun:
     """One call of a hooked region (NOTE [Hooked regions] in planner/simulate.py): the module's forward under
-    saved-tensor hooks that copy every tensor autograd saves, except the call's inputs and ``keep`` (parameters and
-    buffers, by storage), to a host buffer of the offload context's pool, one copy per storage, and bring it back
+    saved-tensor hooks that copy every tensor autograd saves, except ``keep`` (parameters and buffers, by storage),
+    what the call returns (the plan's ``stay``) and its inputs (unless the plan's ``offload_inputs``), to a host
+    buffer of the offload context's pool, one copy per storage, and bring it back
     at its first unpack, or earlier: when the call after this one in forward order starts its backward (NOTE
     [Prefetch]). Nothing is recomputed, so neither random numbers nor BatchNorm statistics are touched again.
 
@@ -246,11 +247,15 @@ class HookRun:
 
     def pack(self, t: torch.Tensor):
         key = storage_key(t)
-        if key is None or key in self.keep or key in self.inputs or t.device != self.device:
+        if key is None or key in self.keep or t.device != self.device:
             return _Held(t)
-        self.ordinal += 1
-        if self.ordinal - 1 in self.stay:  # what the call returns: saved as it is, never copied
-            return _Held(t)
+        if key in self.inputs:
+            if not self.region.offload_inputs:
+                return _Held(t)
+        else:
+            self.ordinal += 1
+            if self.ordinal - 1 in self.stay:  # what the call returns: saved as it is, never copied
+                return _Held(t)
         ctx = self.offload_ctx
         with _internal():
             whole = (key, t.dtype)
