@@ -320,6 +320,52 @@ def test_hooked_call_offloads_an_input_only_it_saves(monkeypatch):
         assert torch.equal(p.grad, q.grad)
 
 
+class _SavedThenChanged(torch.nn.Module):
+    """``h`` saved by a multiply, then changed in place by a sigmoid that saves its result: one storage, two values
+    saved (eager raises at the multiply's backward; the out-of-place version is the same function)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.w = torch.nn.Parameter(torch.randn(16))
+        self.inplace = False
+
+    def forward(self, x):
+        h = self.a(x)
+        m = h * self.w
+        return m + (h.sigmoid_() if self.inplace else torch.sigmoid(h))
+
+
+class _Wrap(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _SavedThenChanged()
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_hooked_call_copies_a_storage_again_after_an_in_place_change():
+    """The copies are deduplicated by storage, but a storage changed in place after its copy was made gets a new
+    one: the sigmoid's backward must read its result, not the multiply's input (the saved tensor is gone once the
+    forward returns, so no version check can see it)."""
+    torch.manual_seed(0)
+    model, x = _Wrap(), torch.randn(64, 16)
+    ref = copy.deepcopy(model)
+    ref(x).sum().backward()  # out of place: the same function
+    prof = libra.profile(model, lambda: model(x).sum().backward())
+    model.zero_grad(set_to_none=True)
+    planning = Planning(prof, FAST)
+    sel = planning.selections[0]
+    ui = next(i for i, u in enumerate(sel.units) if u.module == "block")
+    plan = planning.build({ui: HOOKED}, prof.eager_peak_bytes, sel.sim.run({ui: HOOKED}), "greedy", 0.0, sel)
+    model.block.inplace = True
+    with libra.apply(model, plan):
+        model(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_hooked_call_checks_the_version_of_its_inputs():
     """Under the hooks autograd checks no version at all, also not of the tensors a hooked call leaves on the
     device (its inputs): an input changed in place after the call raises, as in eager, instead of a wrong

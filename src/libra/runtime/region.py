@@ -260,9 +260,12 @@ class HookRun:
         with _internal():
             whole = (key, t.dtype)
             copy = self.by_storage.get(whole)
-            if copy is None:
+            # a storage changed in place since its copy was made needs a new copy: the old one keeps the value
+            # the earlier saves were made with (NOTE [Version checks])
+            if copy is None or copy.version != t._version:
                 flat = torch.as_strided(t, (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
                 copy = HostCopy(flat, ctx.pool, ctx.stream)
+                copy.version = t._version
                 # the host buffer goes back to the pool once autograd has let go of every tensor saved from it
                 # (copies on the side stream stay ordered after any copy back still reading it), or when the
                 # storage stays on the device after all (run); once either way
