@@ -282,10 +282,11 @@ class Planning:
             keys.append(f"{where}:{o.name}#{occ}")
         return keys
 
-    def _stay_ordinals(self, unit) -> list[int]:
+    def _stay_ordinals(self, unit, shared) -> list[int]:
         """A hooked unit's saves that stay on the device (``RegionPlan.stay``): ordinals among the saves of storages
-        the call makes, in pack order, of those that escape it; none where its calls differ (the runtime then finds
-        them when the call returns, after copying them out)."""
+        the call makes, in pack order, of those that escape it and are not ``shared`` with other hooked calls
+        (NOTE [Shared hooked storages]); none where its calls differ (the escaping ones are then copied too: link
+        time for nothing, never a wrong value)."""
         packs, storages = self.profile.packs, self.profile.storages
         found = None
         for inst in unit.instances:
@@ -296,7 +297,7 @@ class Planning:
                 s = packs[pi].storage
                 if storages[s].static or s not in escapes:
                     continue  # a parameter, buffer or input: the runtime leaves it alone and does not count it
-                if escapes[s]:
+                if escapes[s] and s not in shared:
                     ordinals.append(j)
                 j += 1
             if found is not None and ordinals != found:
@@ -312,6 +313,8 @@ class Planning:
         prof = self.profile
         recomputed_ops: set[int] = set()
         offloaded_ops: set[int] = set()
+        shared, offload_inputs = sel.sim.hook_sharing(state)
+        offloaded_ops.update(prof.storages[s].producer for s in shared if prof.storages[s].producer >= 0)
         regions = []
         for ui in sorted(state, key=lambda u: units[u].instances[0].start):
             unit = units[ui]
@@ -323,7 +326,7 @@ class Planning:
                 if hooked:  # what it saves goes to host memory, but what escapes it (NOTE [Hooked regions])
                     offloaded_ops.update(inst.start + inst.producer[k] for k in range(len(inst.sids))
                                          if inst.packed[k] and not inst.escapes[k])
-                    if sel.sim.hook_inputs_ok(ui):
+                    if ui in offload_inputs:
                         ii = unit.instances.index(inst)
                         offloaded_ops.update(prof.storages[s].producer for s in sel.sim.own_input_packs(ui, ii)
                                              if prof.storages[s].producer >= 0)
@@ -342,8 +345,8 @@ class Planning:
                     skip=[] if plain or hooked else sorted(sel.sim.skip_of(ui, saved)),
                     plain=plain,
                     hooked=hooked,
-                    stay=self._stay_ordinals(unit) if hooked else [],
-                    offload_inputs=hooked and sel.sim.hook_inputs_ok(ui),
+                    stay=self._stay_ordinals(unit, shared) if hooked else [],
+                    offload_inputs=hooked and ui in offload_inputs,
                 )
             )
         keys = self._op_keys()

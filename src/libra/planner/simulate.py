@@ -32,14 +32,13 @@ PLAIN: frozenset[int] = frozenset({1 << 40})
 
 # NOTE [Hooked regions]: a unit whose entry is HOOKED runs under saved-tensor hooks alone: no checkpoint, no
 # dispatch mode, nothing recomputed. Every tensor autograd saves inside the call, except static tensors
-# (parameters, buffers) and the call's inputs (unless nothing else saves them: ``hook_inputs_ok``, where the device
-# storage goes once the caller lets go of it), is copied to host memory when it is saved and copied back when the call
-# that runs before it in backward order starts its backward (NOTE [Prefetch]), or at its own first unpack. The
-# device copy lives until the copy out is done and the forward no longer holds it; the copy back, until autograd
-# releases the saving nodes (eager's free time). What escapes the call (its output, saved inside by an in-place
-# ReLU and again by the next block, say) stays on the device, as in eager: the plan names its saves (``stay``,
-# ordinals in pack order), which the hooks leave uncopied; one the plan missed (a call that saved other tensors than
-# profiled) is found when the call returns, and its host copy dropped. A unit may be hooked when every instance's
+# (parameters, buffers), what escapes it and its inputs, is copied to host memory when it is saved and copied back
+# when the call that runs before it in backward order starts its backward (NOTE [Prefetch]), or at its own first
+# unpack. The device copy lives until the copy out is done and the forward no longer holds it; the copy back, until
+# autograd releases the saving nodes (eager's free time). What escapes the call and its inputs go to host memory too
+# where no call but hooked ones saves them (NOTE [Shared hooked storages]: ``hook_sharing``); else they stay on the
+# device, as in eager (a block output the next, checkpointed, block caches), the escaping ones named by the plan
+# (``stay``, ordinals in pack order) so the hooks never copy them. A unit may be hooked when every instance's
 # saves are unpacked and the profile has plain-checkpoint costs, which stand for the hooks' own (a pack hook per
 # saved tensor). It is what ``save_on_cpu`` does, with a pool of host buffers, copies that overlap compute, and per
 # module call.
@@ -155,7 +154,7 @@ class Simulator:
         # each time, as the cache's clones are); older and synthetic profiles fall back to DEFAULT_COPY_BANDWIDTH
         self.copy_seconds_per_byte = profile.copy_seconds_per_byte or 1.0 / DEFAULT_COPY_BANDWIDTH
         self._hook_ok: dict[int, bool] = {}
-        self._hook_inputs_ok: dict[int, bool] = {}
+        self._sharing: dict[frozenset[int], tuple[dict, set[int]]] = {}
         self._recent: dict[tuple, tuple[np.ndarray, float]] = {}
         self._unit_times: dict[tuple[int, frozenset[int]], tuple] = {}
         # plain-Python copies for the per-storage loops (numpy scalar indexing is slow)
@@ -210,10 +209,16 @@ class Simulator:
         # starts its replay, so the copy overlaps that region's backward.
         replays = sorted(inst.t_r for ui in state for inst in self.units[ui].instances if inst.t_r >= 0)
 
+        shared, offload_inputs = self.hook_sharing(state)
+        for s, owners in shared.items():  # NOTE [Shared hooked storages]: one copy for all its calls
+            t_r = min(self.units[ui].instances[ii].t_r for ui, ii in owners)  # the first of them in backward
+            self._offload_span(s, *self._copy_span(s, self.packs_of[s], t_r), replays, touched, holders,
+                               extra_copies, exposed, lane)
         for ui, cached in state.items():
             unit = self.units[ui]
             if cached == HOOKED:
-                self._hooked(ui, replays, touched, holders, extra_copies, base, exposed, lane)
+                self._hooked(ui, replays, touched, holders, extra_copies, base, exposed, lane, shared,
+                             offload_inputs)
                 continue
             plain, offloaded, saved, per_op, per_call = self._entry(ui, cached)
             in_cache = saved - offloaded
@@ -275,17 +280,42 @@ class Simulator:
             self._hook_ok[ui] = got
         return got
 
-    def hook_inputs_ok(self, ui: int) -> bool:
-        """Whether hooked unit ``ui`` also offloads the inputs it saves (``RegionPlan.offload_inputs``): each is
-        saved by nothing but that call, so its device storage can go once the caller lets go of it (a U-Net's skip
-        connection, a transformer block's residual stream); never one the previous block saves too (a ResNet
-        block's input)."""
-        got = self._hook_inputs_ok.get(ui)
-        if got is None:
-            got = any(self.own_input_packs(ui, ii) for ii in range(len(self.units[ui].instances))) and all(
-                all(self.pack_owner.get(pi) == (ui, ii) for pi in self.packs_of[s])
-                for ii in range(len(self.units[ui].instances)) for s in self.own_input_packs(ui, ii))
-            self._hook_inputs_ok[ui] = got
+    def hook_sharing(self, state: State) -> tuple[dict[int, list[tuple[int, int]]], set[int]]:
+        """NOTE [Shared hooked storages]: which storages the hooked calls of ``state`` send to host memory together,
+        and which hooked units offload the inputs they save (``RegionPlan.offload_inputs``, all or none).
+
+        A storage every save of which is made by hooked calls, two or more, goes to host memory once (the calls
+        share its copy): a ResNet block's output, saved by its last ReLU and by the next block; a U-Net skip, saved
+        by an encoder stage and the next max-pool. A hooked unit offloads its saved inputs when each is its own (no
+        other call saves it: a transformer block's residual stream) or shared; where one is neither, it keeps them
+        all, and what it keeps cannot be shared. Returns ``(storage -> its saving instances, units whose inputs go
+        to host memory)``."""
+        hooked = frozenset(ui for ui, c in state.items() if c == HOOKED)
+        got = self._sharing.get(hooked)
+        if got is not None:
+            return got
+        instances = {(ui, ii) for ui in hooked for ii in range(len(self.units[ui].instances))}
+        inputs = {(ui, ii): self.own_input_packs(ui, ii) for ui, ii in instances}
+        candidates = set()
+        for ui, ii in instances:
+            inst = self.units[ui].instances[ii]
+            candidates.update(inputs[(ui, ii)])
+            candidates.update(s for k, s in enumerate(inst.sids) if inst.packed[k] and inst.escapes[k])
+        shared = {}
+        for s in sorted(candidates):
+            owners = {self.pack_owner.get(pi) for pi in self.packs_of[s]}
+            if len(owners) > 1 and owners <= instances:
+                shared[s] = sorted(owners)
+        while True:
+            offload_inputs = {ui for ui in hooked if all(
+                s in shared or all(self.pack_owner.get(pi) == (ui, ii) for pi in self.packs_of[s])
+                for ii in range(len(self.units[ui].instances)) for s in inputs[(ui, ii)])}
+            kept = {s for s in shared if any(o[0] not in offload_inputs and s in inputs[o] for o in shared[s])}
+            if not kept:
+                break
+            for s in kept:
+                del shared[s]
+        got = self._sharing[hooked] = (shared, offload_inputs)
         return got
 
     def own_input_packs(self, ui: int, ii: int) -> dict[int, list[int]]:
@@ -297,70 +327,59 @@ class Simulator:
                 out[s] = own
         return out
 
-    def _hooked_copies(self, ui: int, ii: int) -> list[tuple[int, float, int]]:
-        """(storage, seconds of one copy, end of the copy back; -1 where the storage escapes the call and stays on
-        the device) of what one hooked call copies out."""
+    def _hooked_copies(self, ui: int, ii: int, shared=(), offload_inputs: bool = False):
+        """(storage, op its copy out starts at, the first unpack, end of the copy back) of what one hooked call
+        copies out on its own: what it makes and saves (escaping storages stay on the device, NOTE [Hooked
+        regions]) and, with ``offload_inputs``, the inputs it saves; storages in ``shared`` are copied once for
+        all their calls (:meth:`hook_sharing`) and not here."""
         inst = self.units[ui].instances[ii]
-        nb = self._nbytes
         out = []
         for k, s in enumerate(inst.sids):
-            if inst.packed[k]:
-                if inst.escapes[k]:
-                    end = -1
-                elif self._free[s] >= inst.t_r:
-                    end = max(inst.bwd_end[k], self._free[s])
-                else:
-                    end = inst.bwd_end[k]
-                out.append((s, nb[s] / self.host_bandwidth, end))
+            if inst.packed[k] and not inst.escapes[k]:
+                end = max(inst.bwd_end[k], self._free[s]) if self._free[s] >= inst.t_r else inst.bwd_end[k]
+                out.append((s, self._alloc[s], inst.t_r, end))
+        if offload_inputs:
+            for s, own in self.own_input_packs(ui, ii).items():
+                if s not in shared:
+                    out.append((s, *self._copy_span(s, own, inst.t_r)))
         return out
 
-    def _hooked_input_copies(self, ui: int, ii: int) -> list[tuple[int, float, int, int]]:
-        """(storage, seconds of one copy, end of the copy back, op the copy out starts at) of the inputs one hooked
-        call offloads (:meth:`hook_inputs_ok`)."""
-        if not self.hook_inputs_ok(ui):
-            return []
-        inst = self.units[ui].instances[ii]
-        packs = self.profile.packs
-        out = []
-        for s, own in self.own_input_packs(ui, ii).items():
-            last = max(packs[pi].last_unpack for pi in own)
-            end = max(last, self._free[s]) if self._free[s] >= inst.t_r else last
-            out.append((s, self._nbytes[s] / self.host_bandwidth, end, min(packs[pi].pack_op for pi in own)))
-        return out
+    def _copy_span(self, s: int, packs: list[int], t_r: int) -> tuple[int, int, int]:
+        """(op the copy out starts at, the first unpack, end of the copy back) of storage ``s`` saved by ``packs``,
+        first unpacked at ``t_r``."""
+        last = max(self.profile.packs[pi].last_unpack for pi in packs)
+        end = max(last, self._free[s]) if self._free[s] >= t_r else last
+        return min(self.profile.packs[pi].pack_op for pi in packs), t_r, end
+
+    def _offload_span(self, s: int, start: int, t_r: int, end: int, replays: list, touched: dict, holders: dict,
+                      extra_copies: list, exposed: "_ExactSum", lane: "_ExactSum") -> None:
+        """One storage to host memory from op ``start`` and back from the prefetch before ``t_r`` until ``end``:
+        the device copy lives until the copy out is done (and its other holders let go), the copy back from the
+        prefetch; the link is busy both ways, and exposed where the prefetch is late."""
+        seconds = self._nbytes[s] / self.host_bandwidth
+        prefetch = _prefetch_point(replays, t_r)
+        touched[s] = None
+        done = bisect.bisect_left(self._op_time, self._op_time[start] + seconds)
+        holders.setdefault(s, []).append(min(done, self.n))
+        if end >= t_r:
+            extra_copies.append([prefetch, end, s])
+        exposed.add(max(0.0, seconds - (self._op_time[t_r] - self._op_time[prefetch])))
+        lane.add(2 * seconds)
 
     def _hooked(self, ui: int, replays: list, touched: dict, holders: dict, extra_copies: list,
-                base: "_ExactSum", exposed: "_ExactSum", lane: "_ExactSum") -> None:
-        """A hooked unit's changes to the timeline and its seconds (NOTE [Hooked regions]), added in place."""
-        n = self.n
-        unit = self.units[ui]
-        for ii, inst in enumerate(unit.instances):
-            prefetch = _prefetch_point(replays, inst.t_r)
-            window = self._op_time[inst.t_r] - self._op_time[prefetch]
-            for s, seconds, end in self._hooked_copies(ui, ii):
-                if end < 0:  # stays on the device, as in eager, never copied (RegionPlan.stay)
-                    continue
-                touched[s] = None
-                done = bisect.bisect_left(self._op_time, self._op_time[self._alloc[s]] + seconds)
-                holders.setdefault(s, []).append(min(done, n))
-                if end >= inst.t_r:
-                    extra_copies.append([prefetch, end, s])
-                exposed.add(max(0.0, seconds - window))
-                lane.add(2 * seconds)
-            offloaded = set()
-            for s, seconds, end, start in self._hooked_input_copies(ui, ii):
-                offloaded.add(s)
-                touched[s] = None
-                done = bisect.bisect_left(self._op_time, self._op_time[start] + seconds)
-                holders.setdefault(s, []).append(min(done, n))  # and the caller's last use (python_end)
-                if end >= inst.t_r:
-                    extra_copies.append([prefetch, end, s])
-                exposed.add(max(0.0, seconds - window))
-                lane.add(2 * seconds)
-            # the inputs it keeps are saved on the device as in eager: held until their saves are last unpacked
-            for s, own in self.own_input_packs(ui, ii).items():
-                if s not in offloaded:
+                base: "_ExactSum", exposed: "_ExactSum", lane: "_ExactSum", shared: dict,
+                offload_inputs: set[int]) -> None:
+        """A hooked unit's changes to the timeline and its seconds (NOTE [Hooked regions]), added in place; the
+        storages it shares with other hooked calls are the caller's (:meth:`hook_sharing`)."""
+        for ii, inst in enumerate(self.units[ui].instances):
+            for s, start, t_r, end in self._hooked_copies(ui, ii, shared, ui in offload_inputs):
+                self._offload_span(s, start, t_r, end, replays, touched, holders, extra_copies, exposed, lane)
+            if ui not in offload_inputs:
+                # the inputs it keeps are saved on the device as in eager: held until autograd lets go of their
+                # saves (eager's free, where that comes in backward: NOTE [Release after unpack])
+                for s, own in self.own_input_packs(ui, ii).items():
                     touched[s] = None
-                    holders.setdefault(s, []).append(max(self.pack_end[pi] for pi in own))
+                    holders.setdefault(s, []).append(self._copy_span(s, own, inst.t_r)[2])
             base.add(self._hook_call_seconds(inst))
 
     def _hook_call_seconds(self, inst) -> float:
@@ -443,8 +462,10 @@ class Simulator:
             base, lane = _ExactSum(), _ExactSum()
             offloads = []
             for ii, inst in enumerate(unit.instances):
-                secs = [seconds for _, seconds, end in self._hooked_copies(ui, ii) if end >= 0]
-                secs += [seconds for _, seconds, _, _ in self._hooked_input_copies(ui, ii)]
+                # the unit alone (TimeModel never sees hooked units: chains start from the greedy's plans)
+                _, alone = self.hook_sharing({ui: HOOKED})
+                secs = [self._nbytes[s] / self.host_bandwidth
+                        for s, _, _, _ in self._hooked_copies(ui, ii, (), ui in alone)]
                 for x in secs:
                     lane.add(2 * x)
                 offloads.append((inst.t_r, secs))

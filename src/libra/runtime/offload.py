@@ -46,7 +46,6 @@ class HostCopy:
         self.storage_offset = t.storage_offset()
         self.event = None
         self._back: torch.Tensor | None = None
-        self.stayed: torch.Tensor | None = None  # the device storage, when it stays there (stay)
         host = self.buffer.view(t.dtype)
         flat = torch.as_strided(t, (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
         if stream is not None:
@@ -70,14 +69,6 @@ class HostCopy:
         else:
             flat = host.to(self.device, copy=True)
         self._back = torch.as_strided(flat, self.shape, self.stride, self.storage_offset)
-
-    def stay(self, flat: torch.Tensor) -> None:
-        """The device storage (``flat``, all of it) is kept after all: it is what :meth:`get` returns, and the host
-        buffer is no longer this copy's (its owner returns it to the pool; a copy out still writing it runs on the
-        side stream, before any later copy into it)."""
-        self._back = self.stayed = torch.as_strided(flat, self.shape, self.stride, self.storage_offset)
-        self.event = None
-        self.buffer = None
 
     def get(self, stream) -> torch.Tensor:
         """The device tensor, waiting for its copy if one is in flight."""

@@ -138,9 +138,13 @@ class OffloadContext:
         self.pool = HostPool(pin=cuda)
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.runs: list = []  # weak references to this step's region calls, in forward order
+        # (storage, dtype) -> its host copy while the storage lives: hooked calls share one copy of a storage they
+        # all save (NOTE [Shared hooked storages] in planner/simulate.py)
+        self.copies: "weakref.WeakValueDictionary[tuple, HostCopy]" = weakref.WeakValueDictionary()
 
     def new_step(self) -> None:
         self.runs = []
+        self.copies = weakref.WeakValueDictionary()
 
     def register(self, run: "RegionRun") -> None:
         self.runs.append(weakref.ref(run))
@@ -222,9 +226,7 @@ class HookRun:
         self.offload_ctx = offload
         self.keep = keep
         self.device = device
-        # (storage, dtype) -> its copy while the storage lives (dedup); and every copy, for the prefetch
-        self.by_storage: "weakref.WeakValueDictionary[tuple, HostCopy]" = weakref.WeakValueDictionary()
-        self.copies: list[weakref.ref] = []
+        self.copies: list[weakref.ref] = []  # every copy this call's saves use, for the prefetch
         self.inputs: set[int] = set()
         self.started = False
         self.stay = set(region.stay)
@@ -233,24 +235,15 @@ class HookRun:
     def run(self, *args, **kwargs):
         self.inputs = {storage_key(t) for t in tensors_in(list(args)) + tensors_in(list(kwargs.values()))}
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
-            out = self.forward(*args, **kwargs)
-        # what the call returns stays on the device, as in eager (the next call may save it too). The plan's
-        # ``stay`` saved it uncopied; one it missed (a call that saved other tensors than profiled) was copied:
-        # its saves are unpacked from the device storage now, and its host buffer goes back to the pool
-        for t in tensors_in([out]):
-            copy = self.by_storage.get((storage_key(t), t.dtype))
-            if copy is not None and copy.buffer is not None:
-                with _internal():
-                    copy.stay(torch.as_strided(t, (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0))
-                copy.release()
-        return out
+            return self.forward(*args, **kwargs)
 
     def pack(self, t: torch.Tensor):
         key = storage_key(t)
         if key is None or key in self.keep or t.device != self.device:
             return _Held(t)
         if key in self.inputs:
-            if not self.region.offload_inputs:
+            # only activations (made by this step's graph): a batch of data, live before the step, stays put
+            if not self.region.offload_inputs or t.grad_fn is None:
                 return _Held(t)
         else:
             self.ordinal += 1
@@ -259,7 +252,7 @@ class HookRun:
         ctx = self.offload_ctx
         with _internal():
             whole = (key, t.dtype)
-            copy = self.by_storage.get(whole)
+            copy = ctx.copies.get(whole)
             # a storage changed in place since its copy was made needs a new copy: the old one keeps the value
             # the earlier saves were made with (NOTE [Version checks])
             if copy is None or copy.version != t._version:
@@ -267,14 +260,14 @@ class HookRun:
                 copy = HostCopy(flat, ctx.pool, ctx.stream)
                 copy.version = t._version
                 # the host buffer goes back to the pool once autograd has let go of every tensor saved from it
-                # (copies on the side stream stay ordered after any copy back still reading it), or when the
-                # storage stays on the device after all (run); once either way
-                copy.release = weakref.finalize(copy, ctx.pool.release, copy.buffer)
-                self.by_storage[whole] = copy
-                self.copies.append(weakref.ref(copy))
+                # (copies on the side stream stay ordered after any copy back still reading it)
+                weakref.finalize(copy, ctx.pool.release, copy.buffer)
+                ctx.copies[whole] = copy
                 # a storage's key is its address, which a storage made after this one dies can take: forget the
                 # copy when the storage goes (the point of offloading it), so a newcomer is never matched to it
-                weakref.finalize(t.untyped_storage(), self.by_storage.pop, whole, None)
+                weakref.finalize(t.untyped_storage(), ctx.copies.pop, whole, None)
+            if not any(ref() is copy for ref in self.copies):
+                self.copies.append(weakref.ref(copy))  # one made by an earlier call too: it comes back for this one
             return _Packed(self, copy, t)
 
     def unpack(self, packed):
@@ -297,7 +290,7 @@ class HookRun:
             return torch.as_strided(flat, packed.size, packed.stride, packed.offset)
 
     def prefetch(self) -> None:
-        """Starts bringing this call's offloaded tensors back to the device (those that stayed there need not)."""
+        """Starts bringing the copies this call's saves use back to the device."""
         for ref in self.copies:
             copy = ref()
             if copy is not None:
