@@ -304,33 +304,44 @@ class Front:
         return None
 
 
-def _turn(sim: Simulator, state: State, cap: int | None, entry: frozenset[int], may) -> tuple[State, SimResult]:
+def _run(sim: Simulator, state: State, memo: dict | None) -> SimResult:
+    if memo is None:
+        return sim.run(state)
+    key = tuple(sorted(state.items()))
+    got = memo.get(key)
+    if got is None:
+        got = memo[key] = sim.run(state)
+    return got
+
+
+def _turn(sim: Simulator, state: State, cap: int | None, entry: frozenset[int], may,
+          memo: dict | None = None) -> tuple[State, SimResult]:
     """``state`` with its units set to ``entry``, one at a time in forward order, where ``may(unit)`` allows it,
     that makes the plan faster and keeps the simulated peak at most ``cap`` (None: any peak); with its simulated
-    result."""
-    best, current = sim.run(state), dict(state)
+    result. ``memo`` (state -> result) spares simulating a trial twice across calls."""
+    best, current = _run(sim, state, memo), dict(state)
     for ui in sorted(state, key=lambda u: sim.units[u].instances[0].start):
         if current[ui] == entry or not may(ui):
             continue
         trial = dict(current)
         trial[ui] = entry
-        got = sim.run(trial)
+        got = _run(sim, trial, memo)
         if got.added_seconds < best.added_seconds and (cap is None or got.peak_bytes <= cap):
             best, current = got, trial
     return current, best
 
 
-def plainify(sim: Simulator, state: State, cap: int | None) -> tuple[State, SimResult]:
+def plainify(sim: Simulator, state: State, cap: int | None, memo: dict | None = None) -> tuple[State, SimResult]:
     """``state`` with units turned plain wherever that makes it faster within ``cap`` (NOTE [Plain regions])."""
     if sim.plain_costs is None:
         return dict(state), sim.run(state)
-    return _turn(sim, state, cap, PLAIN, lambda ui: sim.units[ui].plain_ok)
+    return _turn(sim, state, cap, PLAIN, lambda ui: sim.units[ui].plain_ok, memo)
 
 
-def hookify(sim: Simulator, state: State, cap: int | None) -> tuple[State, SimResult]:
+def hookify(sim: Simulator, state: State, cap: int | None, memo: dict | None = None) -> tuple[State, SimResult]:
     """``state`` with checkpointed units turned hooked wherever that makes it faster within ``cap`` (NOTE [Hooked
     regions])."""
-    return _turn(sim, state, cap, HOOKED, sim.hook_ok)
+    return _turn(sim, state, cap, HOOKED, sim.hook_ok, memo)
 
 
 def hook_lowest(sim: Simulator, state: State) -> tuple[State, SimResult]:
@@ -358,10 +369,11 @@ def plain_variants(sim: Simulator, state: State, plain: bool = True,
     if sim.plain_costs is None or not state or not (plain or hooks):
         return []
     out = []
+    memo: dict = {}  # the two passes try mostly the same plans
     for cap in (None, sim.run(state).peak_bytes):
-        current, best = plainify(sim, state, cap) if plain else (dict(state), sim.run(state))
+        current, best = plainify(sim, state, cap, memo) if plain else (dict(state), sim.run(state))
         if hooks:
-            current, best = hookify(sim, current, cap)
+            current, best = hookify(sim, current, cap, memo)
         if current != state and all(current != v for _, _, v in out):
             out.append((best.added_seconds, best.peak_bytes, current))
     return out
