@@ -13,7 +13,7 @@ from libra.planner import Planning
 from libra.planner.simulate import HOOKED
 from libra.runtime import offload as offload_mod
 from libra.runtime.apply import _ACTIVE_ATTR
-from libra.testing import LiveBytesMeter
+from libra.testing import LiveBytesMeter, assert_grads_equal
 
 FAST = 1e13  # bytes per second: offloading is nearly free
 SLOW = 1e6
@@ -60,9 +60,8 @@ def test_bandwidth_decides_the_trade(case):
     assert fast.predicted_step_seconds <= slow.predicted_step_seconds
 
 
-def _assert_released_in_forward_and_pool_steady(case, plan, monkeypatch):
-    """Three steps under ``plan``: every storage it offloads is gone from the device once the forward is done, and
-    the host pool allocates nothing after the first step."""
+def _watch_copies(monkeypatch) -> list:
+    """Weak references to the device storage of every host copy made from now on."""
     sources = []
     original = offload_mod.HostCopy.__init__
 
@@ -71,6 +70,13 @@ def _assert_released_in_forward_and_pool_steady(case, plan, monkeypatch):
         original(self, t, pool, stream)
 
     monkeypatch.setattr(offload_mod.HostCopy, "__init__", watching)
+    return sources
+
+
+def _assert_released_in_forward_and_pool_steady(case, plan, monkeypatch):
+    """Three steps under ``plan``: every storage it offloads is gone from the device once the forward is done, and
+    the host pool allocates nothing after the first step."""
+    sources = _watch_copies(monkeypatch)
     model = case.ours
     pool_sizes = []
     with libra.apply(model, plan):
@@ -238,14 +244,7 @@ def test_hooked_call_returns(monkeypatch, named, hooked_next):
     assert [r.offload_inputs for r in plan.regions if r.module == "b"] == [hooked_next]
     if not named:
         region.stay = []
-    sources = []
-    original = offload_mod.HostCopy.__init__
-
-    def watching(self, t, pool, stream):
-        sources.append(weakref.ref(t.untyped_storage()))
-        original(self, t, pool, stream)
-
-    monkeypatch.setattr(offload_mod.HostCopy, "__init__", watching)
+    sources = _watch_copies(monkeypatch)
     with libra.apply(model, plan):
         loss = model(x).sum()
         gc.collect()
@@ -255,8 +254,7 @@ def test_hooked_call_returns(monkeypatch, named, hooked_next):
         if hooked_next:
             assert all(s() is None for s in sources)  # a's output too: nothing holds it on the device
         loss.backward()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        assert torch.equal(p.grad, q.grad)
+    assert_grads_equal(ref, model)
 
 
 def test_hooked_call_checks_the_version_of_what_stays():
@@ -313,22 +311,14 @@ def test_hooked_call_offloads_an_input_only_it_saves(monkeypatch):
     plan = _hook_block_a(model, x)
     (region,) = plan.regions
     assert region.offload_inputs
-    sources = []
-    original = offload_mod.HostCopy.__init__
-
-    def watching(self, t, pool, stream):
-        sources.append(weakref.ref(t.untyped_storage()))
-        original(self, t, pool, stream)
-
-    monkeypatch.setattr(offload_mod.HostCopy, "__init__", watching)
+    sources = _watch_copies(monkeypatch)
     with libra.apply(model, plan):
         loss = model(x).sum()
         gc.collect()
         # pre's output (a's input), the ReLU's output (saved by it and the last Linear): both copied, both gone
         assert len(sources) == 2 and all(s() is None for s in sources)
         loss.backward()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        assert torch.equal(p.grad, q.grad)
+    assert_grads_equal(ref, model)
 
 
 class _SavedThenChanged(torch.nn.Module):
@@ -373,8 +363,7 @@ def test_hooked_call_copies_a_storage_again_after_an_in_place_change():
     model.block.inplace = True
     with libra.apply(model, plan):
         model(x).sum().backward()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        assert torch.equal(p.grad, q.grad)
+    assert_grads_equal(ref, model)
 
 
 def test_hooked_call_checks_the_version_of_its_inputs():
