@@ -128,9 +128,18 @@ def test_hooked_regions_give_exact_gradients_and_release_what_they_offload(case,
 
 def test_planner_hooks_units_when_copies_are_cheap(case):
     """With a fast host link, offloading a whole call under hooks beats recomputing it or running it through
-    Libra's modes (no dispatch mode, nothing replayed); with a slow one, nothing is offloaded."""
-    fast = _plan(case, {"keep", "recompute", "offload"}, FAST)
-    slow = _plan(case, {"keep", "recompute", "offload"}, SLOW)
+    Libra's modes (no dispatch mode, nothing replayed); with a slow one, nothing is offloaded. The hooks' measured
+    per-op cost (plain checkpoint's) is held at no more than half the modes', as measured on an idle machine: on a
+    busy one the two measurements can come out the other way round and the planner rightly picks the modes."""
+    prof = copy.deepcopy(case.profile)
+    costs = list(prof.region_costs)
+    prof.region_costs = costs[:3] + [min(costs[3], costs[0] / 2)] + costs[4:]
+
+    def plan(bandwidth):
+        planning = Planning(prof, bandwidth, {"keep", "recompute", "offload"})
+        return libra.plan(planning, max(prof.budget_for_share(0.5), planning.min_budget_bytes()))
+
+    fast, slow = plan(FAST), plan(SLOW)
     assert any(r.hooked for r in fast.regions)
     assert not any(r.hooked for r in slow.regions)
     assert fast.predicted_step_seconds <= slow.predicted_step_seconds
@@ -170,12 +179,11 @@ def test_hooked_region_refuses_a_saved_tensor_changed_in_place():
     it does not check, so the hooked region does, instead of returning the value from before the change."""
     torch.manual_seed(0)
     model, x = _Bumped(), torch.randn(64, 16)
-    prof = libra.profile(model, lambda: model(x).sum().backward())
-    planning = Planning(prof, FAST)
-    sel = planning.selections[0]
-    ui = next(i for i, u in enumerate(sel.units) if u.module == "block")
-    assert sel.sim.hook_ok(ui)
-    plan = planning.build({ui: HOOKED}, prof.eager_peak_bytes, sel.sim.run({ui: HOOKED}), "greedy", 0.0, sel)
+    _assert_refused_like_eager(model, x, _hook_one(model, x, "block"))
+
+
+def _assert_refused_like_eager(model, x, plan) -> None:
+    """With ``model.bump`` set, eager autograd raises at backward, and so does ``plan``."""
     model.bump = True
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         model(x).sum().backward()
@@ -205,12 +213,13 @@ class _Returns(torch.nn.Module):
         return y
 
 
-def _hook_block_a(model, x):
+def _hook_one(model, x, module: str = "a"):
+    """A plan for ``model`` that runs ``module`` hooked and nothing else (profiled here; grads zeroed after)."""
     prof = libra.profile(model, lambda: model(x).sum().backward())
     model.zero_grad(set_to_none=True)
     planning = Planning(prof, FAST)
     sel = planning.selections[0]
-    ui = next(i for i, u in enumerate(sel.units) if u.module == "a")
+    ui = next(i for i, u in enumerate(sel.units) if u.module == module)
     assert sel.sim.hook_ok(ui)
     state = {ui: HOOKED}
     return planning.build(state, prof.eager_peak_bytes, sel.sim.run(state), "greedy", 0.0, sel)
@@ -262,13 +271,7 @@ def test_hooked_call_checks_the_version_of_what_stays():
     raises, and so does the hooked call."""
     torch.manual_seed(0)
     model, x = _Returns(chained=False), torch.randn(64, 16)
-    plan = _hook_block_a(model, x)
-    model.bump = True
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        model(x).sum().backward()
-    with libra.apply(model, plan):
-        with pytest.raises(libra.LibraError, match="changed in place after it was saved"):
-            model(x).sum().backward()
+    _assert_refused_like_eager(model, x, _hook_one(model, x))
 
 
 class _InputBumped(torch.nn.Module):
@@ -308,7 +311,7 @@ def test_hooked_call_offloads_an_input_only_it_saves(monkeypatch):
     model, x = _SavesItsInput(), torch.randn(64, 16)
     ref = copy.deepcopy(model)
     ref(x).sum().backward()
-    plan = _hook_block_a(model, x)
+    plan = _hook_one(model, x)
     (region,) = plan.regions
     assert region.offload_inputs
     sources = _watch_copies(monkeypatch)
@@ -354,12 +357,7 @@ def test_hooked_call_copies_a_storage_again_after_an_in_place_change():
     model, x = _Wrap(), torch.randn(64, 16)
     ref = copy.deepcopy(model)
     ref(x).sum().backward()  # out of place: the same function
-    prof = libra.profile(model, lambda: model(x).sum().backward())
-    model.zero_grad(set_to_none=True)
-    planning = Planning(prof, FAST)
-    sel = planning.selections[0]
-    ui = next(i for i, u in enumerate(sel.units) if u.module == "block")
-    plan = planning.build({ui: HOOKED}, prof.eager_peak_bytes, sel.sim.run({ui: HOOKED}), "greedy", 0.0, sel)
+    plan = _hook_one(model, x, "block")
     model.block.inplace = True
     with libra.apply(model, plan):
         model(x).sum().backward()
@@ -372,13 +370,7 @@ def test_hooked_call_checks_the_version_of_its_inputs():
     gradient."""
     torch.manual_seed(0)
     model, x = _InputBumped(), torch.randn(64, 16)
-    plan = _hook_block_a(model, x)
-    model.bump = True
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        model(x).sum().backward()
-    with libra.apply(model, plan):
-        with pytest.raises(libra.LibraError, match="changed in place after it was saved"):
-            model(x).sum().backward()
+    _assert_refused_like_eager(model, x, _hook_one(model, x))
 
 
 class _DeviceMeter(LiveBytesMeter):
