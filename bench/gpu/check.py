@@ -111,16 +111,17 @@ def run_model(name, make, blocks_of, shares=(0.5, 0.3)):
     for share in shares:
         for decisions in ({"keep", "recompute"}, {"keep", "offload"}, {"keep", "recompute", "offload"}):
             label = f"libra {'+'.join(sorted(decisions - {'keep'}))} {share:.0%}"
-            try:
-                t0 = time.perf_counter()
-                planning = Planning(prof, None if DEVICE == "cuda" else 1e10, decisions)
-                plan = libra.plan(planning, prof.budget_for_share(share))
-                planner_s = time.perf_counter() - t0
-                m = copy.deepcopy(base)
-                row = measure(label, m, lambda p=plan, m=m: libra.apply(m, p), plan)
-                row["planner_s"] = planner_s
-            except libra.BudgetInfeasibleError as e:
-                rows.append({"method": label, "infeasible": True, "min_budget_bytes": e.min_budget_bytes})
+            t0 = time.perf_counter()
+            planning = Planning(prof, None if DEVICE == "cuda" else 1e10, decisions)
+            infeasible = prof.budget_for_share(share) < planning.min_budget_bytes()
+            # a budget below the planner's minimum: measured at the minimum instead, and said so
+            plan = libra.plan(planning, max(prof.budget_for_share(share), planning.min_budget_bytes()))
+            planner_s = time.perf_counter() - t0
+            m = copy.deepcopy(base)
+            row = measure(label + (" (at its minimum)" if infeasible else ""), m,
+                          lambda p=plan, m=m: libra.apply(m, p), plan)
+            row.update(planner_s=planner_s, share_infeasible=infeasible,
+                       min_share=(planning.min_budget_bytes() - prof.static_bytes) / prof.activation_peak_bytes)
     out = []
     reference = eager["grads"]
     for r in rows:
@@ -153,17 +154,19 @@ def main() -> int:
         "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)",
         "torch": torch.__version__,
         "platform": platform.platform(),
-        "models": [
-            run_model("gpt2-small-like", gpt, lambda m: list(m.blocks)),
-            run_model("resnet50-like", resnet, lambda m: [b for stage in m.layers for b in stage]),
-        ],
+        "models": [],
     }
-    if smoke:
-        return 0
-    path = Path(__file__).resolve().parents[1] / "results" / f"gpu-{datetime.date.today()}.json"
+    if "--out" in sys.argv:
+        path = Path(sys.argv[sys.argv.index("--out") + 1])
+    else:
+        path = Path(__file__).resolve().parents[1] / "results" / f"gpu-{datetime.date.today()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1))
-    print(f"wrote {path}")
+    for name, make, blocks_of in (("gpt2-small-like", gpt, lambda m: list(m.blocks)),
+                                  ("resnet50-like", resnet, lambda m: [b for stage in m.layers for b in stage])):
+        results["models"].append(run_model(name, make, blocks_of))
+        if not smoke:  # after each model: a run cut short still leaves what it measured
+            path.write_text(json.dumps(results, indent=1))
+            print(f"wrote {path}", flush=True)
     return 0
 
 

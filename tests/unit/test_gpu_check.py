@@ -1,0 +1,24 @@
+"""The prepared GPU check (bench/gpu/check.py) runs end to end on tiny models on the CPU, so the rare GPU run is
+not the first to find it broken: every method runs, every Libra plan (also where a budget is below the planner's
+minimum) gives eager's gradients."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_smoke_runs_every_method():
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "check.py"), "--smoke"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()
+            if line.startswith(("gpt2", "resnet50"))]
+    methods = {r["method"].split(" (")[0] for r in rows}
+    for family in ("recompute", "offload", "offload+recompute"):
+        for share in ("50%", "30%"):
+            assert f"libra {family} {share}" in methods
+    assert {"eager", "save_on_cpu", "checkpoint every block"} <= methods
+    assert all(r["grads_equal_eager"] for r in rows), [r["method"] for r in rows if not r["grads_equal_eager"]]
