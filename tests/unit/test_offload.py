@@ -158,6 +158,16 @@ def test_offload_only_minimum_uses_hooked_calls(case):
     case.train(plan, steps=2)
 
 
+def test_more_decisions_never_raise_the_minimum(case):
+    """Allowing both mechanisms reaches at least as low as either alone (the minimum search also starts from
+    offloading's own full state: recompute's starts lower but can end higher once calls are hooked)."""
+    prof = case.profile
+    lowest = {frozenset(d): Planning(prof, FAST, d).min_budget_bytes()
+              for d in ({"keep", "offload"}, {"keep", "recompute"}, {"keep", "recompute", "offload"})}
+    both = lowest.pop(frozenset({"keep", "recompute", "offload"}))
+    assert both <= min(lowest.values()), (both, lowest)
+
+
 class _Bumped(torch.nn.Module):
     """A block whose output ReLU saves (and nothing outside it does), changed in place after the block returns
     when ``bump`` is set."""
