@@ -44,6 +44,7 @@ class HostCopy:
         self.shape, self.dtype, self.stride = t.shape, t.dtype, t.stride()
         self.buffer = pool.acquire(t.untyped_storage().nbytes())
         self.storage_offset = t.storage_offset()
+        self.version = t._version  # the value copied: a later in-place change makes the copy stale
         self.event = None
         self._back: torch.Tensor | None = None
         host = self.buffer.view(t.dtype)

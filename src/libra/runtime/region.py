@@ -258,7 +258,6 @@ class HookRun:
             if copy is None or copy.version != t._version:
                 flat = torch.as_strided(t, (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
                 copy = HostCopy(flat, ctx.pool, ctx.stream)
-                copy.version = t._version
                 # the host buffer goes back to the pool once autograd has let go of every tensor saved from it
                 # (copies on the side stream stay ordered after any copy back still reading it)
                 weakref.finalize(copy, ctx.pool.release, copy.buffer)

@@ -231,21 +231,27 @@ class _Path:
         for i, peak in enumerate(self.peaks):
             if peak <= budget:
                 return i
-        while not self.stuck:
-            peak, t = self.tree.peak()
-            if peak <= budget:
+        while self.grow():
+            if self.peaks[-1] <= budget:
                 return len(self.peaks) - 1
-            if self.ranking is None or self.ranking.t != t:
-                self.ranking = _Ranking(self.fx, t, self.on, self.taken)
-            option = self.ranking.pop(self.on, self.taken)
-            if option is None:
-                self.stuck = True
-                break
-            _take(self.fx, self.tree, option, self.on, self.taken, self.moves, self.ranking)
-            self.tree.forget()
-            self.ends.append(len(self.moves))
-            self.peaks.append(self.tree.peak()[0])
         return None
+
+    def grow(self) -> bool:
+        """Takes the next option at the estimated peak; False once none frees bytes there (the path is stuck)."""
+        if self.stuck:
+            return False
+        _, t = self.tree.peak()
+        if self.ranking is None or self.ranking.t != t:
+            self.ranking = _Ranking(self.fx, t, self.on, self.taken)
+        option = self.ranking.pop(self.on, self.taken)
+        if option is None:
+            self.stuck = True
+            return False
+        _take(self.fx, self.tree, option, self.on, self.taken, self.moves, self.ranking)
+        self.tree.forget()
+        self.ends.append(len(self.moves))
+        self.peaks.append(self.tree.peak()[0])
+        return True
 
 
 def _take(fx: Effects, tree: PeakTree, moves, on: np.ndarray, taken: np.ndarray, chosen: list,
@@ -563,9 +569,7 @@ def detours(sim: Simulator, fx: Effects) -> list[State]:
     out: list[State] = []
     i = 0
     while True:
-        while len(path.ends) - 1 <= i and not path.stuck:
-            path.first_fit(path.peaks[-1] - 1)  # grow the shared path by at least one option
-        if len(path.ends) - 1 <= i:
+        if len(path.ends) - 1 <= i and not path.grow():
             break
         option = path.moves[path.ends[i]:path.ends[i + 1]]
         u = int(fx.move_unit[option[0]])
