@@ -333,12 +333,11 @@ class Planning:
             hooked = state[ui] == HOOKED
             on_device, offloaded = kept_split(state[ui])
             saved = set() if plain or hooked else unit.forced_save | on_device | offloaded
-            for inst in unit.instances:
+            for ii, inst in enumerate(unit.instances):
                 if hooked:  # what it saves goes to host memory, but what escapes it (NOTE [Hooked regions])
                     offloaded_ops.update(inst.start + inst.producer[k] for k in range(len(inst.sids))
                                          if inst.packed[k] and not inst.escapes[k])
                     if ui in offload_inputs:
-                        ii = unit.instances.index(inst)
                         offloaded_ops.update(prof.storages[s].producer for s in sel.sim.own_input_packs(ui, ii)
                                              if prof.storages[s].producer >= 0)
                     continue

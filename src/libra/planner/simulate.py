@@ -336,8 +336,7 @@ class Simulator:
         out = []
         for k, s in enumerate(inst.sids):
             if inst.packed[k] and not inst.escapes[k]:
-                end = max(inst.bwd_end[k], self._free[s]) if self._free[s] >= inst.t_r else inst.bwd_end[k]
-                out.append((s, self._alloc[s], inst.t_r, end))
+                out.append((s, self._alloc[s], inst.t_r, self._released(s, inst.bwd_end[k], inst.t_r)))
         if offload_inputs:
             for s, own in self.own_input_packs(ui, ii).items():
                 if s not in shared:
@@ -348,8 +347,12 @@ class Simulator:
         """(op the copy out starts at, the first unpack, end of the copy back) of storage ``s`` saved by ``packs``,
         first unpacked at ``t_r``."""
         last = max(self.profile.packs[pi].last_unpack for pi in packs)
-        end = max(last, self._free[s]) if self._free[s] >= t_r else last
-        return min(self.profile.packs[pi].pack_op for pi in packs), t_r, end
+        return min(self.profile.packs[pi].pack_op for pi in packs), t_r, self._released(s, last, t_r)
+
+    def _released(self, s: int, last: int, t_r: int) -> int:
+        """When autograd lets go of storage ``s``, saved until op ``last`` and first unpacked at ``t_r``: eager's free
+        where that comes in backward (NOTE [Release after unpack]), else ``last``."""
+        return max(last, self._free[s]) if self._free[s] >= t_r else last
 
     def _offload_span(self, s: int, start: int, t_r: int, end: int, replays: list, touched: dict, holders: dict,
                       extra_copies: list, exposed: "_ExactSum", lane: "_ExactSum") -> None:
@@ -458,19 +461,8 @@ class Simulator:
 
     def _unit_time_of(self, ui: int, cached: frozenset[int]):
         unit = self.units[ui]
-        if cached == HOOKED:
-            base, lane = _ExactSum(), _ExactSum()
-            offloads = []
-            for ii, inst in enumerate(unit.instances):
-                # the unit alone (TimeModel never sees hooked units: chains start from the greedy's plans)
-                _, alone = self.hook_sharing({ui: HOOKED})
-                secs = [self._nbytes[s] / self.host_bandwidth
-                        for s, _, _, _ in self._hooked_copies(ui, ii, (), ui in alone)]
-                for x in secs:
-                    lane.add(2 * x)
-                offloads.append((inst.t_r, secs))
-                base.add(self._hook_call_seconds(inst))
-            return base.total, lane.total, offloads
+        if cached == HOOKED:  # its copies depend on the other hooked calls (NOTE [Shared hooked storages])
+            raise ValueError("TimeModel follows regions only: chains start from the greedy's plans, never hooked")
         plain, offloaded, saved, per_op, per_call = self._entry(ui, cached)
         in_cache = saved - offloaded
         base = _ExactSum()

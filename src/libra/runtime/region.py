@@ -184,10 +184,10 @@ class _Packed:
     """What a hooked call's pack hook returns for an offloaded tensor: the host copy of its storage (shared by the
     tensors saved from that storage) and how to view it again."""
 
-    __slots__ = ("run", "copy", "size", "stride", "offset", "source", "version")
+    __slots__ = ("copy", "size", "stride", "offset", "source", "version")
 
-    def __init__(self, run: "HookRun", copy: HostCopy, t: torch.Tensor) -> None:
-        self.run, self.copy = run, copy
+    def __init__(self, copy: HostCopy, t: torch.Tensor) -> None:
+        self.copy = copy
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
         self.source = weakref.ref(t)  # NOTE [Version checks]: held weakly, so the device copy can go
         self.version = t._version
@@ -207,9 +207,9 @@ class HookRun:
     """One call of a hooked region (NOTE [Hooked regions] in planner/simulate.py): the module's forward under
     saved-tensor hooks that copy every tensor autograd saves, except ``keep`` (parameters and buffers, by storage),
     what the call returns (the plan's ``stay``) and its inputs (unless the plan's ``offload_inputs``), to a host
-    buffer of the offload context's pool, one copy per storage, and bring it back
-    at its first unpack, or earlier: when the call after this one in forward order starts its backward (NOTE
-    [Prefetch]). Nothing is recomputed, so neither random numbers nor BatchNorm statistics are touched again.
+    buffer of the offload context's pool, one copy per storage (shared with other hooked calls that save it), and
+    bring it back at its first unpack, or earlier: when the call after this one in forward order starts its backward
+    (NOTE [Prefetch]). Nothing is recomputed, so neither random numbers nor BatchNorm statistics are touched again.
 
     NOTE [Version checks]: under saved-tensor hooks autograd does not check versions, so an unpack compares the
     saved tensor's version counter with the one it had when packed, while it is still alive, and raises instead of
@@ -267,15 +267,14 @@ class HookRun:
                 weakref.finalize(t.untyped_storage(), ctx.copies.pop, whole, None)
             if not any(ref() is copy for ref in self.copies):
                 self.copies.append(weakref.ref(copy))  # one made by an earlier call too: it comes back for this one
-            return _Packed(self, copy, t)
+            return _Packed(copy, t)
 
     def unpack(self, packed):
         if not self.started:
             self.started = True
             self.offload_ctx.replay_started(self)
         held = isinstance(packed, _Held)
-        # a copy's source is alive while its storage stays on the device (the view that stays is of it)
-        t = packed.t if held else packed.source()
+        t = packed.t if held else packed.source()  # a copy's source: alive while the caller holds it
         if t is not None and t._version != packed.version:
             raise LibraError(
                 f"libra.apply: a tensor {self.region.module!r} saved for backward was changed in place after it "

@@ -92,16 +92,23 @@ def without_idle_units(sim: Simulator, fx: Effects, state: State) -> State:
         return {u: c for u, c in state.items() if u not in gone}
 
     limit = int(live.max())
-    if sim.run(rest(len(dropped))).peak_bytes <= limit:
-        return rest(len(dropped))
-    lo, hi = 0, len(dropped)
+    return rest(_longest_prefix(len(dropped), lambda k: sim.run(rest(k)).peak_bytes <= limit))
+
+
+def _longest_prefix(n: int, fits) -> int:
+    """The largest ``k <= n`` for which ``fits(k)`` holds (``fits(0)`` does), trusting that a prefix of a fitting
+    prefix fits too: ``n`` first (the estimate that chose the changes is usually right), else a bisection,
+    O(log n) calls."""
+    if n == 0 or fits(n):
+        return n
+    lo, hi = 0, n
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if sim.run(rest(mid)).peak_bytes <= limit:
+        if fits(mid):
             lo = mid
         else:
             hi = mid
-    return rest(lo)
+    return lo
 
 
 def _moves_of(fx: Effects, state: State) -> list[int]:
@@ -377,24 +384,17 @@ class _Search:
         if not removed:
             return chosen, live
 
-        def without(k: int):
+        fitting = {0: (chosen, live)}
+
+        def fits(k: int) -> bool:
             gone = set(removed[:k])
             rest = [m for m in chosen if m not in gone]
             curve = self.simulate(rest)
-            return (rest, curve) if curve.max() <= self.budget else None
+            if curve.max() <= self.budget:
+                fitting[k] = (rest, curve)
+            return k in fitting
 
-        found = without(len(removed))
-        if found is not None:
-            return found
-        lo, hi, best = 0, len(removed), (chosen, live)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            got = without(mid)
-            if got is not None:
-                lo, best = mid, got
-            else:
-                hi = mid
-        return best
+        return fitting[_longest_prefix(len(removed), fits)]
 
     # ---- trials -------------------------------------------------------------------------------------------------
     def trial(self, chosen: list, live_tree: PeakTree, drop_unit: int, add: list[int]) -> list | None:
@@ -558,9 +558,8 @@ def detours(sim: Simulator, fx: Effects) -> list[State]:
     """Budget-independent plans off the greedy's path, anchors of the front (NOTE [Detours] in ``front.py``): where
     the path checkpoints each of its first few new units, the plan so far plus, instead, all of the idle unit that
     frees more bytes at that peak than the path's choice, the one freeing most per second of those."""
-    cache = fx.__dict__.setdefault("_detours", {})
-    if "states" in cache:
-        return cache["states"]
+    if "_detours" in fx.__dict__:
+        return fx.__dict__["_detours"]
     allowed, path = _path(fx, fx.kinds)
     tree = PeakTree(fx.eager)
     on = np.zeros(fx.n_units, dtype=bool)
@@ -587,7 +586,7 @@ def detours(sim: Simulator, fx: Effects) -> list[State]:
                 out.append(state_for(sim, [fx.moves[m] for m in chosen + list(ms)]))
         _take(fx, tree, option, on, taken, chosen)
         i += 1
-    cache["states"] = out
+    fx.__dict__["_detours"] = out
     return out
 
 
