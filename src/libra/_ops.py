@@ -11,8 +11,9 @@ __all__ = ["OpInfo", "op_info", "arg_values", "tensors_in", "storage_key", "inpu
 
 # NOTE [Uncounted ops]: checkpoint's own saved-tensor hook detaches every tensor it saves during a replay, so the
 # replay dispatches detach ops the forward never did. detach allocates nothing and is never worth saving: the
-# profiler and both region modes run it without counting it, so op indices agree between forward and replay.
-UNCOUNTED = frozenset({torch.ops.aten.detach.default})
+# profiler and both region modes run it without counting it, so op indices agree between forward and replay. Under
+# fake tensors every device query dispatches as prim.device (NOTE [Fake profiles]): never counted either.
+UNCOUNTED = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
 
 
 @dataclass(frozen=True)

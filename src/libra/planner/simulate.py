@@ -108,6 +108,17 @@ class Simulator:
         np.add.at(delta, self.alloc, self.nbytes)
         np.add.at(delta, self.free + 1, -self.nbytes)
         self.base_delta = delta
+        # NOTE [Transient bytes]: what each op's kernels hold inside it above what it returns (workspaces,
+        # temporaries), measured from the allocator by the profiler (NOTE [Allocator truth] in libra/_allocator.py).
+        # It sits on top of the live bytes after the op, at that op only: in the forward, in backward and in every
+        # replay of the op (``_replay``), whatever the plan. Profiles from before schema 2 have none.
+        # NOTE [RNG state]: ``checkpoint(preserve_rng_state=True)`` stashes the CPU generator's state (a tensor of
+        # ``profile.rng_state_bytes``, 5,056 B with torch 2.13) per checkpointed call, from the call's forward until
+        # autograd lets go of what it saved (its last unpack), and forks it once more while the call replays. On a
+        # CUDA device that state lives in host memory: the profile then records 0. Hooked calls stash nothing.
+        self.rng_state_bytes = int(profile.rng_state_bytes)
+        self.transient = np.array([o.transient_bytes for o in profile.ops] + [0], dtype=np.int64)
+        self._transient = self.transient.tolist()
         self.op_time = np.concatenate([[0.0], np.cumsum([o.seconds for o in profile.ops])])  # start time of each op
         # holders of each storage in eager (NOTE [Who holds a storage])
         last_use = np.full(len(st), -1, dtype=np.int64)
@@ -188,17 +199,20 @@ class Simulator:
         instead that region's frame holds its inputs, and Libra's cache the outputs of saved ops, until the
         region's last unpack. The forward copy of a storage lives until the last of its remaining holders.
 
-        Returns ``(intervals, copies, bursts, seconds)``: storage -> its one live interval ``[start, end]`` for every
-        storage the plan touches; extra copies ``[start, end, storage]`` (a cache clone, a replayed escaping storage,
-        a prefetched offload); ``(op, bytes, unit)`` replay peaks above the live bytes after ``op``
-        (NOTE [Replay moment]); and the added seconds. The cost is linear in
+        Returns ``(intervals, copies, bursts, held, seconds)``: storage -> its one live interval ``[start, end]`` for
+        every storage the plan touches; extra copies ``[start, end, storage]`` (a cache clone, a replayed escaping
+        storage, a prefetched offload); ``(op, bytes, unit)`` replay peaks above the live bytes after ``op``
+        (NOTE [Replay moment]); ``(start, end, bytes, unit)`` bytes a region call holds that are no storage of the
+        profile (NOTE [RNG state]); and the added seconds. The cost is linear in
         the size of the units in ``state``, not in the length of the profile.
         """
         n = self.n
         nb = self._nbytes
         alloc = self._alloc
         extra_copies: list[list[int]] = []
-        bursts: list[tuple[int, int]] = []
+        bursts: list[tuple[int, int, int]] = []
+        held: list[tuple[int, int, int, int]] = []
+        rng = self.rng_state_bytes
         base = _ExactSum()
         exposed = _ExactSum()
         lane = _ExactSum()
@@ -224,6 +238,8 @@ class Simulator:
             in_cache = saved - offloaded
             for ii, inst in enumerate(unit.instances):
                 last = inst.l_r if inst.l_r >= 0 else n
+                if rng:  # NOTE [RNG state]
+                    held.append((inst.start, last if inst.t_r >= 0 else inst.end - 1, rng, ui))
                 prefetch = _prefetch_point(replays, inst.t_r) if inst.t_r >= 0 else 0
                 producer = inst.producer
                 for k, s in enumerate(inst.sids):
@@ -252,7 +268,7 @@ class Simulator:
                     touched[s] = None
                     holders.setdefault(s, []).append(last)
                 if inst.t_r >= 0:
-                    self._replay(ui, ii, saved, bursts, base, plain)
+                    self._replay(ui, ii, saved, bursts, base, plain, rng)
                 base.add((inst.end - inst.start) * per_op + per_call)
                 self._clone_seconds(ui, ii, in_cache, base)
         intervals: dict[int, tuple[int, int]] = {}
@@ -268,7 +284,7 @@ class Simulator:
             intervals[s] = (a, end)
         # copies run on their own lane: exposed where a prefetch is late, and wherever the lane is busier than the step
         added = base.value() + max(exposed.value(), lane.value() - self.profile.eager_step_seconds)
-        return intervals, extra_copies, bursts, added
+        return intervals, extra_copies, bursts, held, added
 
     def hook_ok(self, ui: int) -> bool:
         """Whether unit ``ui`` may run hooked (NOTE [Hooked regions]): offloading is modelled, plain-checkpoint
@@ -399,7 +415,7 @@ class Simulator:
         return False, offloaded, self.units[ui].forced_save | on_device | offloaded, self.per_op, self.per_call
 
     def _replay(self, ui: int, ii: int, saved: set[int], bursts: list, seconds: "_ExactSum",
-                plain: bool = False) -> None:
+                plain: bool = False, rng: int = 0) -> None:
         """Appends the transient peak of one region's replay to ``bursts``, and its seconds to ``seconds``.
 
         NOTE [Replay moment]: ``t_r`` is the op about to run when the region's first saved tensor was unpacked, so
@@ -419,6 +435,8 @@ class Simulator:
         cur = peak = kept = 0
         span = inst.stop - inst.start
         frees: dict[int, int] = {}
+        transient = self._transient
+        cur = peak = rng  # the replay forks the RNG: one more state lives while it runs (NOTE [RNG state])
         for local in range(span):
             if local in saved:
                 continue
@@ -431,9 +449,11 @@ class Simulator:
                 else:
                     end = min(max(inst.fwd_end[k], self._free[inst.sids[k]]) - inst.start, span - 1)
                     frees[end] = frees.get(end, 0) + size
-            peak = max(peak, cur)
+            peak = max(peak, cur + transient[inst.start + local])  # NOTE [Transient bytes]
             cur -= frees.pop(local, 0)
-        extra = peak - kept - self._allocated_at[inst.t_r]
+        # the point after t_r already carries op t_r's own transient bytes, which do not coexist with the replay
+        # (it runs before op t_r): the point stands for the larger of the two moments
+        extra = peak - kept - self._allocated_at[inst.t_r] - transient[inst.t_r]
         if extra > 0:
             bursts.append((inst.t_r, extra, ui))
         self._replay_seconds(ui, ii, saved, seconds, plain)
@@ -507,7 +527,7 @@ class Simulator:
         ``live(state)[t] == live({})[t] + sum(val[pos <= t])``: each changed interval adds its bytes at its start and
         takes them off after its end. Linear in the size of the units in ``state``, not in the profile's length.
         """
-        intervals, copies, bursts, added = self._plan(state)
+        intervals, copies, bursts, held, added = self._plan(state)
         n = self.n
         nb = self._nbytes
         free = self._free
@@ -531,6 +551,11 @@ class Simulator:
             val.append(extra)
             pos.append(t + 1)
             val.append(-extra)
+        for a, e, nbytes, _ in held:
+            pos.append(a)
+            val.append(nbytes)
+            pos.append(min(e, n) + 1)
+            val.append(-nbytes)
         p = np.array(pos, dtype=np.int64)
         v = np.array(val, dtype=np.int64)
         keep = p <= n
@@ -543,7 +568,8 @@ class Simulator:
         return SimResult(peak_bytes=int(live[peak_op]), peak_op=min(peak_op, self.n - 1), added_seconds=added)
 
     def live(self, state: State) -> tuple[np.ndarray, float]:
-        """Live bytes after each op (index n: after the step), and the added seconds, under ``state``.
+        """Live bytes after each op (index n: after the step), the op's transient bytes on top (NOTE [Transient
+        bytes]), and the added seconds, under ``state``.
 
         The last few results are remembered (solvers ask for the same plan again); the array is read-only.
         """
@@ -553,7 +579,7 @@ class Simulator:
             pos, val, added = self.changes(state)
             delta = self.base_delta[: self.n + 1].copy()
             np.add.at(delta, pos, val)
-            live = np.cumsum(delta)
+            live = np.cumsum(delta) + self.transient  # NOTE [Transient bytes]
             live.flags.writeable = False
             got = self._recent[key] = (live, added)
             if len(self._recent) > _RECENT:
@@ -568,7 +594,7 @@ class Simulator:
     def live_at(self, state: State, t: int) -> list[tuple[int, int]]:
         """(storage id, bytes) of every storage live at op ``t`` under ``state``, largest first (replays that run
         after op ``t`` are not storages of the timeline: :meth:`replays_at`)."""
-        intervals, copies, _, _ = self._plan(state)
+        intervals, copies, _, _, _ = self._plan(state)
         out = []
         for s in range(len(self.nbytes)):
             a, e = intervals.get(s, (int(self.alloc[s]), int(self.free[s])))

@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from libra._allocator import END_MARKER, TAP, peak_above_start, per_marker_highs
 from libra._ops import storage_key
 from libra.errors import LibraError
 from libra.profiler._stacks import insert_hooks_under, insert_mode_under, remove_hooks, remove_mode
@@ -97,12 +98,32 @@ class StepRecording:
         self._thread = threading.get_ident()
         self._t0 = 0
         self._wall_ns: int | None = None
+        self._hidden_sid = -1
+        self._tap = None  # the CPU allocator tap's attachment while recording (NOTE [Allocator truth])
+        self.allocator = ""
 
     def start(self) -> None:
         self.overhead = dispatch_overhead_seconds()
         buffer_keys = {storage_key(b) for b in self.model.buffers()}
         self.recorder = Recorder(self.device, buffer_keys)
         self.recorder.register_static(static_tensors(self.model, self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            # what the allocator holds beyond every tensor Python can reach (cuBLAS's workspace, tensors held only
+            # by C++): live through the step like the static tensors
+            hidden = torch.cuda.memory_allocated(self.device) - self.recorder.live_bytes
+            if hidden > 0:
+                self.recorder.storages.append(StorageRecord(nbytes=hidden, alloc_op=-1, free_op=-1, static=True))
+                self.recorder.live_bytes += hidden
+                self.recorder.peak_bytes = max(self.recorder.peak_bytes, self.recorder.live_bytes)
+                self._hidden_sid = len(self.recorder.storages) - 1
+            self.allocator = "cuda"
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.device.type == "cpu":
+            self._tap = TAP.attach()
+            if self._tap is not None:
+                self.recorder.mark_ops = True
+                self.allocator = "cpu-events"
         self.static_bytes = self.recorder.live_bytes
         self.probes = ModuleProbes(self.model, self.recorder)
         self.probes.install(root=not self.root_entered)
@@ -140,8 +161,13 @@ class StepRecording:
         if self._wall_ns is None and self.recorder is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+                self._cuda_peak = torch.cuda.max_memory_allocated(self.device)
             self._wall_ns = time.perf_counter_ns() - self._t0
             self.recorder.close()
+            if self.recorder.mark_ops:  # what the allocator does after this is not the step's
+                with torch._C._profiler._RecordFunctionFast(END_MARKER):
+                    pass
+                self.recorder.mark_ops = False
 
     def release(self) -> bool:
         """Removes the probes, the mode and the hooks; on the thread that started the recording only (else False).
@@ -173,6 +199,8 @@ class StepRecording:
     def _exit(self) -> None:
         if self.recorder is not None and not self.recorder.closed:
             self.recorder.close()
+        if self._tap is not None and self._tap in TAP._users:
+            TAP.detach(self._tap)
         if not self.release():
             log.debug("libra: a finished recording is taken off the stacks from the thread that started it")
 
@@ -206,12 +234,58 @@ class StepRecording:
             return cached_copy_seconds_per_byte(self.device, size)
         return copy_seconds_per_byte(self.device, size)
 
+    def _allocator_truth(self, recorder: Recorder) -> tuple[int, int]:
+        """Sets each op's ``transient_bytes`` from the allocator (NOTE [Allocator truth]) and returns the step's
+        peak as the simulator will see it (live storages after each op plus that op's transient bytes) and as the
+        allocator saw it (-1 where it was not watched).
+
+        On CUDA the recorder read each op's transient bytes around it. On CPU they are what the allocator held from
+        the op's start to the next op's start above the storages live after the op: the kernels' temporaries, and
+        what no dispatched op returns (the scalar ``x.mul_(0.5)`` wraps in a tensor that its autograd node keeps
+        without a saved-tensor hook, 8 bytes until backward)."""
+        ops = recorder.ops
+        n = len(ops)
+        if self._hidden_sid >= 0:
+            recorder.storages[self._hidden_sid].free_op = n  # live through the step
+        delta = [0] * (n + 2)
+        for st in recorder.storages:
+            a = max(st.alloc_op, 0)
+            f = min(max(st.free_op, st.alloc_op, 0), n)
+            delta[a] += st.nbytes
+            delta[f + 1] -= st.nbytes
+        live = []
+        level = 0
+        for t in range(n + 1):
+            level += delta[t]
+            live.append(level)
+        allocator_peak = -1
+        if self._tap is not None:
+            att = self._tap
+            self._tap = None
+            if len(att.markers) == n:
+                end = att.ends[0] if att.ends else None
+                for t, high in enumerate(per_marker_highs(att.memory, att.markers, end)):
+                    ops[t].transient_bytes = max(self.static_bytes + high - live[t], 0)
+                memory = att.memory if end is None else [m for m in att.memory if m[0] < end]
+                allocator_peak = self.static_bytes + peak_above_start(memory)
+            else:  # another user of the profiler added or took ranges: do not guess which op is which
+                log.warning(
+                    "libra.profile: expected %d op ranges in the allocator's events, found %d; kernels' temporary "
+                    "memory is not measured this time", n, len(att.markers)
+                )
+                self.allocator = ""
+        elif self.allocator == "cuda":
+            allocator_peak = getattr(self, "_cuda_peak", -1)
+        peak = max(live[t] + (ops[t].transient_bytes if t < n else 0) for t in range(n + 1))
+        return peak, allocator_peak
+
     def finish(self) -> Profile:
         """Removes every hook and returns the profile of the recorded step."""
         self.stop()
         self._exit()
         recorder, probes = self.recorder, self.probes
         ops = recorder.ops
+        eager_peak, allocator_peak = self._allocator_truth(recorder)
         op_seconds = sum(o.seconds for o in ops)
         costs = self._region_costs(ops, recorder.storages)
         copy_cost = self._copy_cost(ops, recorder.storages)
@@ -220,7 +294,7 @@ class StepRecording:
         )
         prof = Profile(
             device=str(self.device),
-            eager_peak_bytes=recorder.peak_bytes,
+            eager_peak_bytes=eager_peak,
             static_bytes=self.static_bytes,
             eager_step_seconds=eager_seconds,
             dispatch_overhead_seconds=self.overhead,
@@ -233,6 +307,9 @@ class StepRecording:
             torch_version=torch.__version__,
             region_costs=list(costs),
             copy_seconds_per_byte=copy_cost,
+            allocator=self.allocator,
+            allocator_peak_bytes=allocator_peak,
+            rng_state_bytes=torch.get_rng_state().nbytes if self.device.type == "cpu" else 0,
         )
         log.info(
             "profiled one step: %d ops, %d saved tensors, eager peak %s (static %s), %.1f ms",

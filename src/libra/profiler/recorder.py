@@ -3,7 +3,10 @@
 Three instruments run together (see DESIGN.md, Profiler):
 - a ``TorchDispatchMode`` that sees each aten op with its inputs, fresh outputs, declared and undeclared writes, time;
 - ``saved_tensors_hooks`` that see what autograd saves and when backward unpacks it;
-- a live-bytes meter: ``weakref.finalize`` on every fresh output storage gives each storage's free time.
+- a live-bytes meter: ``weakref.finalize`` on every fresh output storage gives each storage's free time;
+- the allocator (NOTE [Allocator truth] in libra/_allocator.py): what each op's kernels take and give back inside it,
+  from the caching allocator's statistics on CUDA and from torch.profiler's memory events on CPU (each op bracketed
+  by a ``libra::op`` record-function range, matched to the events afterwards by :meth:`StepRecording.finish`).
 Module forwards are wrapped (instance attribute, restored afterwards) so that op ranges match exactly what the region
 executor will later wrap in a checkpoint.
 """
@@ -19,11 +22,30 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from libra._allocator import MARKER
 from libra._forward import ForwardSwaps
 from libra._ops import UNCOUNTED, arg_values, input_signature, kv_cache_args, op_info, storage_key, tensors_in
 from libra.profiler.types import ModuleCall, OpRecord, PackRecord, StorageRecord
 
-__all__ = ["Recorder", "ModuleProbes", "static_tensors", "dispatch_overhead_seconds"]
+__all__ = ["Recorder", "ModuleProbes", "static_tensors", "dispatch_overhead_seconds", "allocated_bytes"]
+
+
+def allocated_bytes(nbytes: int, cuda: bool) -> int:
+    """What the allocator hands out for a storage of ``nbytes``: on CUDA the caching allocator rounds every block
+    up to a multiple of 512 bytes (what ``memory_allocated`` counts); the CPU allocator takes exactly ``nbytes``."""
+    if not cuda or nbytes == 0:
+        return nbytes
+    return -(-nbytes // 512) * 512
+
+
+# NOTE [Undeclared writes] under fake tensors: there are no values to compare, so the ops known to update module
+# state that their schema does not declare are listed (BatchNorm's running statistics, in each of its kernels)
+_UNDECLARED_STATE: dict[str, tuple[str, ...]] = {
+    name: ("running_mean", "running_var")
+    for name in ("aten.native_batch_norm.default", "aten._native_batch_norm_legit.default",
+                 "aten.cudnn_batch_norm.default", "aten.miopen_batch_norm.default",
+                 "aten._batch_norm_with_update.default", "aten.batch_norm_update_stats.default")
+}
 
 
 class Recorder(TorchDispatchMode):
@@ -43,6 +65,8 @@ class Recorder(TorchDispatchMode):
         self.peak_bytes = 0
         self.bookkeeping_ns = 0
         self.closed = False
+        self.mark_ops = False  # bracket each op with a MARKER range (set while the CPU allocator tap is attached)
+        self.fake = False  # the step runs on fake tensors (NOTE [Fake profiles])
         self._sid: dict[int, int] = {}
         self._finalizers: list[weakref.finalize] = []
 
@@ -56,11 +80,12 @@ class Recorder(TorchDispatchMode):
             return sid
         storage = t.untyped_storage()
         sid = len(self.storages)
+        nbytes = allocated_bytes(storage.nbytes(), self.cuda)
         self.storages.append(
-            StorageRecord(nbytes=storage.nbytes(), alloc_op=alloc_op, free_op=-1, producer=producer, static=static)
+            StorageRecord(nbytes=nbytes, alloc_op=alloc_op, free_op=-1, producer=producer, static=static)
         )
         self._sid[key] = sid
-        self.live_bytes += storage.nbytes()
+        self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self._finalizers.append(weakref.finalize(storage, self._on_free, key, sid))
         return sid
@@ -120,17 +145,31 @@ class Recorder(TorchDispatchMode):
                     writes.append(sid)
                 elif storage_key(t) in self.buffer_keys:
                     # NOTE [Undeclared writes]: native_batch_norm updates running stats without its schema saying so.
-                    watched.append((name, t, t.detach().clone(), sid))
+                    watched.append((name, t, None if self.fake else t.detach().clone(), sid))
         if self.cuda:  # kernels are asynchronous: time each op to its completion
             torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter_ns()
-        out = func(*args, **kwargs)
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        t1 = time.perf_counter_ns()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        transient = 0
+        if self.mark_ops:
+            with torch._C._profiler._RecordFunctionFast(MARKER):
+                t0 = time.perf_counter_ns()
+                out = func(*args, **kwargs)
+                t1 = time.perf_counter_ns()
+        else:
+            t0 = time.perf_counter_ns()
+            out = func(*args, **kwargs)
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+                # NOTE [Allocator truth]: the most the op held above what it holds now
+                transient = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+            t1 = time.perf_counter_ns()
         undeclared = []
         for name, t, before, sid in watched:
-            if not torch.equal(t, before):
+            if self.fake:  # no values to compare: the ops known to write module state without saying so
+                changed = name in _UNDECLARED_STATE.get(info.name, ())
+            else:
+                changed = not torch.equal(t, before)
+            if changed:
                 undeclared.append(name)
                 writes.append(sid)
         outputs: list[int] = []
@@ -160,6 +199,7 @@ class Recorder(TorchDispatchMode):
                 generator=info.random and any(
                     isinstance(v, torch.Generator) for v in list(args) + list(kwargs.values())
                 ),
+                transient_bytes=max(int(transient), 0),
             )
         )
         self.bookkeeping_ns += time.perf_counter_ns() - t_enter - (t1 - t0)

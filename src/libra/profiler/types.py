@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["OpRecord", "StorageRecord", "PackRecord", "ModuleCall", "Profile", "PROFILE_SCHEMA_VERSION"]
 
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2  # 2: per-op transient bytes and the allocator's own peak (NOTE [Allocator truth])
 
 
 @dataclass
@@ -31,6 +31,9 @@ class OpRecord:
     returned: list[int] | None = None  # storage ids of every returned tensor, fresh or a view (None: not recorded)
     python_value: bool = False  # returns a number or bool Python can branch on (``.item()``): always replayed
     generator: bool = False  # a random op handed an explicit torch.Generator (never under plain checkpoint)
+    # bytes the op's kernels held inside it above what it holds when it returns (workspaces, temporaries), from the
+    # allocator itself (NOTE [Allocator truth] in libra/_allocator.py); charged at the op, and at every replay of it
+    transient_bytes: int = 0
 
 
 @dataclass
@@ -79,6 +82,10 @@ class Profile:
         static_bytes: bytes live on the device when the step began (parameters, buffers, gradients, optimizer
             state, inputs).
         eager_step_seconds: the step's wall time with the recorder's own overhead taken out.
+        allocator: where the ops' ``transient_bytes`` came from: ``"cuda"`` (the caching allocator's statistics),
+            ``"cpu-events"`` (torch.profiler's memory events), ``""`` (not measured: every op's are 0).
+        allocator_peak_bytes: the step's peak as the allocator itself saw it, static bytes included, a second
+            opinion on ``eager_peak_bytes`` (-1: not measured).
     """
 
     device: str
@@ -99,6 +106,11 @@ class Profile:
     # planner/simulate.py); 0.0: not measured
     copy_seconds_per_byte: float = 0.0
     torch_version: str = ""
+    allocator: str = ""
+    allocator_peak_bytes: int = -1
+    # bytes on the device of the generator state ``checkpoint(preserve_rng_state=True)`` stashes per call: the CPU
+    # generator's on a CPU device, 0 on CUDA (its states are host tensors) (NOTE [RNG state] in planner/simulate.py)
+    rng_state_bytes: int = 0
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     @property

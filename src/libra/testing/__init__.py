@@ -1,12 +1,12 @@
-"""Helpers for testing code that uses Libra: gradient comparison against eager and a live-bytes meter."""
+"""Helpers for testing code that uses Libra: gradient comparison against eager and meters that read nothing from the plan."""
 
 from __future__ import annotations
 
 import torch
 
-from libra.testing.meter import LiveBytesMeter
+from libra.testing.meter import AllocatorMeter, LiveBytesMeter
 
-__all__ = ["LiveBytesMeter", "assert_grads_equal", "fixed_times"]
+__all__ = ["AllocatorMeter", "LiveBytesMeter", "assert_grads_equal", "fixed_times"]
 
 
 def assert_grads_equal(expected: torch.nn.Module, actual: torch.nn.Module) -> None:

@@ -1,7 +1,9 @@
-"""A live-bytes meter that reads nothing from Libra's plan: it watches storages come and go.
+"""Meters that read nothing from Libra's plan.
 
-Enter it *outside* ``libra.apply``: it then sees every op that really runs (forward, replay and backward) and nothing
-that Libra's cache returns without running.
+:class:`AllocatorMeter` counts what the allocator hands out, kernels' workspaces and temporaries included: the meter
+every budget check uses. :class:`LiveBytesMeter` watches tensor storages come and go, a second opinion that sees only
+what ops return (it agrees with the planner's bookkeeping by construction, so it cannot catch what the planner
+misses; enter it *outside* ``libra.apply``, so that it sees every op that really runs).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytesMeter"]
+from libra._allocator import TAP, peak_above_start
+from libra.errors import LibraError
+
+__all__ = ["AllocatorMeter", "LiveBytesMeter"]
 
 
 def _key(t: torch.Tensor):
@@ -23,10 +28,99 @@ def _key(t: torch.Tensor):
         return None
 
 
+def _live_tensor_bytes(device: torch.device, extra) -> int:
+    """Bytes of every distinct storage on ``device`` that gc or ``extra`` (tensors, with their ``.grad``) reach."""
+    gc.collect()  # garbage in reference cycles would otherwise count as live, then vanish mid-step
+    tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+    for t in extra:
+        tensors.append(t)
+        if isinstance(t, torch.Tensor) and t.grad is not None:
+            tensors.append(t.grad)
+    seen: dict[int, int] = {}
+    for t in tensors:
+        key = _key(t)
+        if key is not None and key not in seen and t.device == device:
+            seen[key] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+class AllocatorMeter:
+    """Peak of what the allocator held on one device while the block ran, static bytes and kernels' temporaries
+    included: the figure a budget promises (NOTE [Allocator truth] in libra/_allocator.py).
+
+    On CUDA it is ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()``. On CPU, where the
+    allocator keeps no statistics, it is the tensor storages live when the block starts (what gc and ``extra`` reach)
+    plus the highest running sum of torch.profiler's memory events during the block. Meters nest, and work with
+    ``libra.profile`` inside them; not inside a ``torch.profiler.profile`` of your own.
+
+    Attributes:
+        start_bytes: held when the block began. ``peak_bytes``: the most held at once. ``end_bytes``: held at the end.
+        ``current_bytes``: held now.
+
+    Example:
+        >>> with AllocatorMeter(extra=model.parameters()) as meter:
+        ...     step()
+        >>> meter.peak_bytes <= plan.budget_bytes
+    """
+
+    def __init__(self, device: str | torch.device = "cpu", extra=()) -> None:
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise LibraError(
+                f"libra.testing.AllocatorMeter: expected a cpu or cuda device, got {self.device}. Fix: use "
+                "LiveBytesMeter there (it counts tensor storages only)."
+            )
+        self.extra = list(extra)
+        self.start_bytes = self.peak_bytes = self.end_bytes = 0
+        self._att = None
+        self._inside = False
+
+    def __enter__(self) -> "AllocatorMeter":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_bytes = torch.cuda.memory_allocated(self.device)
+        else:
+            self.start_bytes = _live_tensor_bytes(self.device, self.extra)
+            self._att = TAP.attach()
+            if self._att is None:
+                raise LibraError(
+                    "libra.testing.AllocatorMeter: expected to read the CPU allocator's events, but another "
+                    "torch.profiler session is running. Fix: end it before entering the meter."
+                )
+        self.extra = []  # hold no references past the scan: they would outlive the block and distort the next one
+        self.peak_bytes = self.end_bytes = self.start_bytes
+        self._inside = True
+        return self
+
+    @property
+    def current_bytes(self) -> int:
+        """What the allocator holds now (inside the block; after it, what it held at the end)."""
+        if self.device.type == "cuda" and self._inside:
+            return torch.cuda.memory_allocated(self.device)
+        if self._att is None:
+            return self.end_bytes
+        return self.start_bytes + sum(nbytes for _, nbytes in TAP.read(self._att))
+
+    def __exit__(self, *exc) -> bool:
+        self._inside = False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            self.end_bytes = torch.cuda.memory_allocated(self.device)
+        else:
+            att, self._att = self._att, None
+            TAP.detach(att)
+            self.peak_bytes = self.start_bytes + peak_above_start(att.memory)
+            self.end_bytes = self.start_bytes + sum(nbytes for _, nbytes in att.memory)
+        return False
+
+
 class LiveBytesMeter(TorchDispatchMode):
     """Peak of all live tensor bytes on one device while the block runs, static bytes included.
 
-    On CUDA, prefer ``torch.cuda.max_memory_allocated``; this meter is for devices without allocator statistics.
+    It sees only what ops return, never what kernels take inside them: budgets are checked with
+    :class:`AllocatorMeter`; this one is a second opinion that attributes bytes to storages.
 
     Example:
         >>> with LiveBytesMeter(extra=model.parameters()) as meter:
