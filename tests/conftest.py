@@ -13,7 +13,7 @@ settings.register_profile("explore", print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 import libra
-from libra.testing import LiveBytesMeter, assert_grads_equal, models
+from libra.testing import AllocatorMeter, assert_grads_equal, models
 
 MODELS = {
     "mlp": lambda: models.make_mlp(batch=2048, d=128, hidden=512, depth=6),
@@ -54,7 +54,7 @@ class Case:
         meters = []
         for i in range(steps):
             torch.manual_seed(100 + i)
-            with LiveBytesMeter(extra=list(self.ours.parameters())) as meter:
+            with AllocatorMeter(extra=list(self.ours.parameters())) as meter:
                 with libra.apply(self.ours, plan):
                     loss_o = self.loss_fn(self.ours(self.x), self.y)
                     loss_o.backward()

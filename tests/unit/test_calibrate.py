@@ -13,7 +13,7 @@ from libra.planner import Planning
 from libra.planner.simulate import MODE_OVERHEAD_FACTOR, PLAIN, REGION_OVERHEAD_SECONDS, Simulator
 from libra.runtime import calibrate
 from libra.runtime.calibrate import cached_region_costs, region_costs
-from libra.testing import LiveBytesMeter, assert_grads_equal, fixed_times, models
+from libra.testing import AllocatorMeter, assert_grads_equal, fixed_times, models
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -109,7 +109,7 @@ def test_plain_regions_run_exactly_and_within_budget(gpt, share):
     eager, ours = copy.deepcopy(model), copy.deepcopy(model)
     for i in range(2):
         torch.manual_seed(10 + i)
-        with LiveBytesMeter(extra=list(ours.parameters())) as meter, libra.apply(ours, plan):
+        with AllocatorMeter(extra=list(ours.parameters())) as meter, libra.apply(ours, plan):
             loss_o = loss_fn(ours(x), y)
             loss_o.backward()
         torch.manual_seed(10 + i)

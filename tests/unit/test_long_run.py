@@ -3,7 +3,7 @@
 Whatever a long run could accumulate must not: a drift of the loss curve (RNG state, BatchNorm running stats, Adam's
 moments fed by a gradient a bit off), memory held across steps (Libra's caches, replay memos, host copies, autograd
 graphs kept alive), or a host pool that allocates a little more every step. The memory is measured by meters that do
-not read the plan: ``LiveBytesMeter`` around a whole step and a census of every live tensor storage the garbage
+not read the plan: ``AllocatorMeter`` around a whole step and a census of every live tensor storage the garbage
 collector can see.
 """
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import libra
 from libra.planner import Planning
 from libra.runtime.apply import _ACTIVE_ATTR
-from libra.testing import LiveBytesMeter, assert_grads_equal, fixed_times
+from libra.testing import AllocatorMeter, assert_grads_equal, fixed_times
 
 STEPS = 500
 MEASURED = (5, STEPS)  # steps whose memory is compared
@@ -119,7 +119,7 @@ def test_500_steps_with_recompute_and_offload_match_eager_and_do_not_grow():
             torch.manual_seed(100 + i)
             acquired.clear()
             if i in MEASURED:
-                with LiveBytesMeter(extra=list(ours.parameters())) as meter:
+                with AllocatorMeter(extra=list(ours.parameters())) as meter:
                     losses_o.append(step(ours))
                     gc.collect()
                     after_bytes = meter.current_bytes

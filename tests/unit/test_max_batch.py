@@ -8,7 +8,7 @@ import torch
 
 import libra
 from libra.fit import _Bracket
-from libra.testing import LiveBytesMeter, models
+from libra.testing import AllocatorMeter, models
 
 BUDGET = 2 * 2**20  # above what was live before this module ran (set_budget): earlier tests may leave tensors alive
 INPUTS = {}  # the latest size's inputs only: what stays alive between profiles counts as static bytes
@@ -27,7 +27,7 @@ def set_budget():
     """2 MiB above the tensors already live in this process: the budget counts everything live during a step, and
     in a full test run earlier modules keep models and inputs alive."""
     global BUDGET
-    with LiveBytesMeter() as meter:
+    with AllocatorMeter() as meter:
         pass
     BUDGET = meter.start_bytes + 2 * 2**20
     yield
@@ -91,7 +91,7 @@ def test_plan_at_the_answer_fits_when_applied(fit):
     model, step = make(result.batch_size)
     step()
     model.zero_grad(set_to_none=True)
-    with LiveBytesMeter(extra=[*model.parameters(), *INPUTS[result.batch_size]]) as meter:
+    with AllocatorMeter(extra=[*model.parameters(), *INPUTS[result.batch_size]]) as meter:
         with libra.apply(model, result.plan):
             step()
     assert meter.peak_bytes <= BUDGET

@@ -128,12 +128,15 @@ def test_hooked_regions_give_exact_gradients_and_release_what_they_offload(case,
 
 def test_planner_hooks_units_when_copies_are_cheap(case):
     """With a fast host link, offloading a whole call under hooks beats recomputing it or running it through
-    Libra's modes (no dispatch mode, nothing replayed); with a slow one, nothing is offloaded. The hooks' measured
-    per-op cost (plain checkpoint's) is held at no more than half the modes', as measured on an idle machine: on a
-    busy one the two measurements can come out the other way round and the planner rightly picks the modes."""
+    Libra's modes (no dispatch mode, nothing replayed); with a slow one, nothing is offloaded. Op times and the
+    executor's costs are fixed at what an idle machine measures (the hooks' per-op cost, plain checkpoint's, half
+    the modes'): measured ones make the plan depend on the machine's load."""
     prof = copy.deepcopy(case.profile)
-    costs = list(prof.region_costs)
-    prof.region_costs = costs[:3] + [min(costs[3], costs[0] / 2)] + costs[4:]
+    for op in prof.ops:
+        op.seconds = 1e-4
+    prof.eager_step_seconds = 1e-4 * len(prof.ops)
+    # per forward op, per replayed op and per call under Libra's modes, then under plain checkpoint
+    prof.region_costs = [20e-6, 20e-6, 150e-6, 10e-6, 10e-6, 60e-6]
 
     def plan(bandwidth):
         planning = Planning(prof, bandwidth, {"keep", "recompute", "offload"})

@@ -42,7 +42,11 @@ def test_needed_ops_follow_storages_back_from_what_backward_saves():
 
 def test_skipped_ops_do_not_run_and_gradients_are_exact(monkeypatch, caplog):
     model, x, y, loss_fn, prof = _gpt()
-    plan = libra.plan(prof, max(prof.budget_for_share(0.6), Planning(prof).min_budget_bytes()))
+    planning = Planning(prof)
+    for share in (0.6, 0.7, 0.8, 0.5):  # a budget where the plan keeps some of a region's outputs
+        plan = libra.plan(planning, max(prof.budget_for_share(share), planning.min_budget_bytes()))
+        if any(r.skip for r in plan.regions):
+            break
     assert any(r.skip for r in plan.regions), "a partial plan should leave some replayed ops out"
     eager, ours, plain = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
     no_skip = copy.deepcopy(plan)
@@ -64,7 +68,8 @@ def test_skipped_ops_do_not_run_and_gradients_are_exact(monkeypatch, caplog):
     with caplog.at_level(logging.DEBUG, logger="libra"), libra.apply(again, plan):
         loss_fn(again(x), y).backward()
     skipped = [r.getMessage() for r in caplog.records if r.getMessage().endswith(": skipped")]
-    assert len(skipped) == sum(len(r.skip) for r in plan.regions if r.skip) or skipped
+    assert skipped, "LIBRA_DEBUG=1 logs every op a replay leaves out"
+    assert len(skipped) == sum(len(r.skip) for r in plan.regions if r.skip), (len(skipped), skipped[:3])
     for h in list(logging.getLogger("libra").handlers):
         logging.getLogger("libra").removeHandler(h)
     logging.getLogger("libra").setLevel(logging.NOTSET)
