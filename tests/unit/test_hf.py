@@ -14,6 +14,7 @@ Skipped when ``transformers`` is not installed (``pip install 'libra-remat[hf]'`
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 import libra  # noqa: E402
 from libra.planner import Planning  # noqa: E402
-from libra.testing import LiveBytesMeter, assert_grads_equal, fixed_times  # noqa: E402
+from libra.testing import AllocatorMeter, assert_grads_equal, fixed_times  # noqa: E402
 
 VOCAB, SEQ, BATCH, STEPS = 1000, 64, 2, 3
 
@@ -94,7 +95,7 @@ def train_under_plan(build, inputs: dict, share: float = 0.5) -> libra.Plan:
     assert plan.counts[libra.Decision.RECOMPUTE] > 0, plan.counts
     for i in range(1, STEPS + 1):
         torch.manual_seed(100 + i)
-        with LiveBytesMeter(extra=list(ours.parameters())) as meter:
+        with AllocatorMeter(extra=list(ours.parameters())) as meter:
             with libra.apply(ours, plan):
                 loss_o = step(ours)
         torch.manual_seed(100 + i)
@@ -129,10 +130,18 @@ def test_llama_with_padding_mask(attn):
     pytest.param(gpt2, id="gpt2"),
     pytest.param(llama, id="llama"),
 ])
-def test_default_use_cache(build):
+def test_default_use_cache(build, caplog):
     # HF's default use_cache=True hands every attention call a key/value cache that its forward appends to: such
-    # calls are never recomputed (NOTE [Key/value caches are not replayable]); the rest of the model still is
-    train_under_plan(lambda: build("sdpa", use_cache=True), batch(padded=False))
+    # calls are never recomputed (NOTE [Key/value caches are not replayable]); the rest of the model still is, and
+    # the plan, its explanation and the log say which calls were left out and why
+    with caplog.at_level(logging.INFO, logger="libra"):
+        plan = train_under_plan(lambda: build("sdpa", use_cache=True), batch(padded=False))
+    cached = [(m, r) for m, _, r in plan.refused if "key/value cache" in r]
+    assert cached and all("use_cache=False" in r for _, r in cached), plan.refused
+    assert all(m.endswith(("attn", "self_attn")) for m, _ in cached), cached
+    assert "left out" in plan.explain() and cached[0][0] in plan.explain()
+    assert any("left out of the plan" in r.getMessage() and "key/value cache" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_gpt2_under_hooked_calls():

@@ -389,7 +389,21 @@ class Planning:
             peak_description=where,
             planner_seconds=seconds,
             input_signature=list(prof.input_signature),
+            refused=self.refusals(sel),
         )
+
+    def refusals(self, selection: Selection | None = None) -> list[list]:
+        """``[module, call, reason]`` of each module call ``selection`` (by default the first) left out, once per
+        module call, in forward order; calls that save nothing for backward are not refusals (nothing to gain)."""
+        sel = selection or self.selections[0]
+        calls = self.profile.module_calls
+        out: dict[tuple[str, int], str] = {}
+        for ci in sorted(sel.rejected):
+            reason = sel.rejected[ci]
+            if reason == "autograd saves nothing inside it":
+                continue
+            out.setdefault((calls[ci].module, calls[ci].call), reason)
+        return [[m, c, r] for (m, c), r in out.items()]
 
     def _moment(self, state: State, t: int, sel: Selection) -> str:
         """Where op ``t`` is, in words; a replay that runs right before it (NOTE [Replay moment]) and makes the peak
@@ -412,12 +426,16 @@ class Planning:
         keys = self._op_keys()
         lines = []
         for ui, nbytes in sel.sim.replays_at(state, t):
-            lines.append(f"{format_bytes(nbytes):>10}  the replay of {sel.units[ui].module!r} (what it recomputes)")
+            lines.append((nbytes, f"{format_bytes(nbytes):>10}  the replay of {sel.units[ui].module!r} (what it "
+                                  "recomputes)"))
         for sid, nbytes in sel.sim.live_at(state, t)[:limit]:
             rec = prof.storages[sid]
             what = keys[rec.producer] if rec.producer >= 0 else ("static (parameters, gradients, inputs...)" if rec.static else "opaque")
-            lines.append(f"{format_bytes(nbytes):>10}  {what}")
-        return lines
+            lines.append((nbytes, f"{format_bytes(nbytes):>10}  {what}"))
+        transient = prof.ops[t].transient_bytes if 0 <= t < len(prof.ops) else 0
+        if transient:  # NOTE [Transient bytes] in planner/simulate.py
+            lines.append((transient, f"{format_bytes(transient):>10}  the temporary memory of {prof.ops[t].name} itself"))
+        return [line for _, line in sorted(lines, key=lambda x: -x[0])[:limit]]
 
 
 def plan(
@@ -477,12 +495,27 @@ def plan(
         state = planning.lowest_state()
         lines = planning.contributors(state, low.sim.run(state).peak_op, selection=low)
         static = planning.profile.static_bytes
+        refused = planning.refusals(low)
+        left_out = ""
+        if refused:
+            left_out = (f"Left out of the plan ({len(refused)}):\n  " + "\n  ".join(
+                f"{m}{f'[{c}]' if c else ''}: {r}" for m, c, r in refused[:8]) + ("\n  ..." if len(refused) > 8 else "")
+                + "\n")
+        if minimum >= planning.eager.peak_bytes:
+            fix = (f"Fix: Libra cannot lower this step's peak at all (nothing it may recompute or offload is live "
+                   f"then); pass a budget of at least {minimum} bytes, or lower what is live then (the batch, or "
+                   "the static bytes: parameters, gradients, optimizer state).")
+        elif static >= 0.5 * minimum:
+            fix = (f"Fix: pass a budget of at least {minimum} bytes; most of that peak was live before the step "
+                   "(parameters, gradients, optimizer state, inputs), which Libra does not move: a smaller "
+                   "optimizer state or sharding lowers it, a smaller batch less so.")
+        else:
+            fix = f"Fix: pass a budget of at least {minimum} bytes, or lower the batch size."
         raise BudgetInfeasibleError(
             f"libra.plan: no plan keeps the step under {format_bytes(budget_bytes)} ({budget_bytes} bytes); the "
             f"smallest peak this planner reaches is {format_bytes(minimum)} ({minimum} bytes), of which "
             f"{format_bytes(static)} were live before the step began (parameters, gradients, optimizer state, "
-            f"inputs). Biggest tensors live at that peak:\n  " + "\n  ".join(lines) + "\n"
-            f"Fix: pass a budget of at least {minimum} bytes, or lower the batch size.",
+            f"inputs). Biggest tensors live at that peak:\n  " + "\n  ".join(lines) + "\n" + left_out + fix,
             budget_bytes=budget_bytes,
             min_budget_bytes=minimum,
         )
@@ -499,4 +532,7 @@ def plan(
         format_bytes(out.predicted_peak_bytes),
         format_bytes(budget_bytes),
     )
+    if out.refused:
+        log.info("left out of the plan: %s", "; ".join(
+            f"{m}{f'[{c}]' if c else ''} ({r})" for m, c, r in out.refused))
     return out

@@ -36,4 +36,8 @@ def explain_plan(plan: Plan) -> str:
             lines.append(f"    {name:<32} {len(r.save):>4} / {replayed:<4} / {len(r.skip):<4}{how}")
         recomputed = [k for k, d in plan.decisions.items() if d is Decision.RECOMPUTE]
         lines.append("  recomputed activations: " + ", ".join(recomputed[:8]) + (" ..." if len(recomputed) > 8 else ""))
+    if plan.refused:
+        lines.append(f"  left out ({len(plan.refused)}): module calls Libra cannot recompute or offload")
+        for module, call, reason in plan.refused:
+            lines.append(f"    {module + (f'[{call}]' if call else ''):<32} {reason}")
     return "\n".join(lines)

@@ -28,9 +28,10 @@ _PLAN_FIELDS = {
     "peak_description": str,
     "planner_seconds": float,
     "input_signature": list,
+    "refused": list,
 }
 # added after schema 1 was first written; absent means "not recorded"
-_OPTIONAL = {"input_signature", "skip", "plain", "hooked", "stay", "offload_inputs"}
+_OPTIONAL = {"input_signature", "skip", "plain", "hooked", "stay", "offload_inputs", "refused"}
 _REGION_FIELDS = {"module": str, "call": int, "ops": list, "save": list, "offload": list, "protect": dict,
                   "input_shapes": list, "skip": list, "plain": bool, "hooked": bool, "stay": list,
                   "offload_inputs": bool}
@@ -72,6 +73,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "peak_description": plan.peak_description,
         "planner_seconds": plan.planner_seconds,
         "input_signature": list(plan.input_signature),
+        "refused": [[m, c, r] for m, c, r in plan.refused],
     }
 
 
@@ -172,8 +174,14 @@ def plan_from_dict(data: dict, path="<dict>") -> Plan:
     signature = data.get("input_signature", [])
     if not all(isinstance(x, str) for x in signature):
         raise _fail(path, f"input_signature should be a list of strings, found {signature!r}")
-    fields = {k: data[k] for k in _PLAN_FIELDS if k not in ("decisions", "regions", "parameters", "input_signature")}
+    refused = data.get("refused", [])
+    if not all(isinstance(x, list) and len(x) == 3 and isinstance(x[0], str) and isinstance(x[1], int)
+               and isinstance(x[2], str) for x in refused):
+        raise _fail(path, f"refused should be a list of [module, call, reason], found {refused!r}")
+    skip = ("decisions", "regions", "parameters", "input_signature", "refused")
+    fields = {k: data[k] for k in _PLAN_FIELDS if k not in skip}
     fields["input_signature"] = list(signature)
+    fields["refused"] = [list(x) for x in refused]
     return Plan(decisions=decisions, regions=regions, parameters=parameters, **fields)
 
 

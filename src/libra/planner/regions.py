@@ -203,13 +203,18 @@ def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], di
     rejected: dict[int, str] = {}
     units: dict[tuple[str, int], Unit] = {}
     inconsistent: set[tuple[str, int]] = set()
-    for ci in _select_calls(profile, first_bwd, granularity):
+    # NOTE [Refused calls split]: a call refused for something one of its parts does (a MoE block whose router
+    # scales the block's input in place, an attention module handed a key/value cache) is split into its children,
+    # each tried on its own: the experts and the projections hold the activations
+    todo = list(reversed(_select_calls(profile, first_bwd, granularity)))
+    while todo:
+        ci = todo.pop()
         c = calls[ci]
         a, b = c.start_op, c.end_op
-        reason = ""
+        reasons: list[str] = []
         if c.kv_cache_args:  # NOTE [Key/value caches are not replayable] in _ops.py
-            reason = (f"it is passed a key/value cache ({', '.join(c.kv_cache_args)}) that its forward appends to, "
-                      "and a replay would append again; pass use_cache=False when training")
+            reasons.append(f"it is passed a key/value cache ({', '.join(c.kv_cache_args)}) that its forward "
+                           "appends to, and a replay would append again; pass use_cache=False when training")
         produced = [s for i in range(a, b) for s in ops[i].outputs]
         produced_set = set(produced)
         external = sorted({s for i in range(a, b) for s in ops[i].inputs} - produced_set)
@@ -217,9 +222,9 @@ def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], di
         for i in range(a, b):
             o = ops[i]
             if o.collective:
-                reason = f"{o.name} is a collective and is never replayed"
+                reasons.append(f"{o.name} is a collective and is never replayed")
             elif o.backward:
-                reason = "a backward pass runs inside its forward"
+                reasons.append("a backward pass runs inside its forward")
             for s in o.writes:
                 if s in produced_set:
                     continue
@@ -227,14 +232,19 @@ def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], di
                     names = list(o.undeclared_writes) or ["self"]
                     protect[i - a] = sorted(set(protect.get(i - a, [])) | set(names))
                 else:
-                    reason = f"{o.name} writes in place to a tensor made before the module ran"
+                    reasons.append(f"{o.name} writes in place to a tensor made before the module ran")
         for s in external:
-            if not storages[s].static and any(a <= w < first_bwd for w in writes_at.get(s, [])):
-                reason = "one of its inputs is changed in place later in the forward"
+            if not storages[s].static and any(b <= w < first_bwd for w in writes_at.get(s, [])):
+                reasons.append("one of its inputs is changed in place later in the forward")
         region_packs = packs_within(ci)
-        if not region_packs and not reason:
-            reason = "autograd saves nothing inside it"
-        if reason:
+        if not region_packs and not reasons:
+            reasons.append("autograd saves nothing inside it")
+        if reasons:
+            reason = "; ".join(dict.fromkeys(reasons))
+            children = [k for k in kids.get(ci, []) if calls[k].end_op > calls[k].start_op]
+            if region_packs and children:
+                reason += "; its submodules are tried on their own"
+                todo.extend(reversed(children))
             rejected[ci] = reason
             continue
         unpacks = [profile.packs[pi] for pi in region_packs if profile.packs[pi].first_unpack >= 0]

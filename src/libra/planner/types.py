@@ -73,6 +73,8 @@ class Plan:
         parameters: (name, shape, dtype) of every parameter and buffer of the profiled model.
         input_signature: dtype and shape of every tensor input of the profiled root call (empty: not recorded);
             ``libra.apply`` runs steps with other inputs under plans of their own.
+        refused: ``[module, call, reason]`` of every module call the planner could not recompute or offload, and
+            why (a key/value cache, an input changed in place, a collective, ...); shown by :meth:`explain`.
     """
 
     budget_bytes: int
@@ -90,6 +92,8 @@ class Plan:
     peak_description: str = ""
     planner_seconds: float = 0.0
     input_signature: list[str] = field(default_factory=list)
+    # module calls the planner left out, and why: [module, call, reason] (calls that save nothing are not listed)
+    refused: list[list] = field(default_factory=list)
     schema_version: int = PLAN_SCHEMA_VERSION
 
     @property
