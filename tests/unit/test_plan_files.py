@@ -8,6 +8,7 @@ import torch
 import libra
 from libra.planner import Planning
 from libra.testing import models
+from libra.units import format_bytes
 
 
 @pytest.fixture(scope="module")
@@ -102,4 +103,6 @@ def test_explain_reads_like_a_report(saved):
     plan, _, _ = saved
     text = plan.explain()
     assert "predicted peak" in text and "checkpointed modules" in text and "blocks.0" in text
-    assert torch.is_tensor(torch.zeros(1))
+    assert format_bytes(plan.predicted_peak_bytes) in text and format_bytes(plan.budget_bytes) in text
+    for region in plan.regions:
+        assert region.module in text
