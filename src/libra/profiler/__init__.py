@@ -13,6 +13,7 @@ from libra._allocator import END_MARKER, TAP, peak_above_start, per_marker_highs
 from libra._ops import storage_key
 from libra.errors import LibraError
 from libra.profiler._stacks import insert_hooks_under, insert_mode_under, remove_hooks, remove_mode
+from libra.profiler.fake import FakeStep, benchmark_ops
 from libra.profiler.recorder import ModuleProbes, Recorder, dispatch_overhead_seconds, static_tensors
 from libra.profiler.types import ModuleCall, OpRecord, PackRecord, Profile, StorageRecord
 from libra.units import format_bytes
@@ -37,23 +38,30 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def profile(model: torch.nn.Module, step: Callable[[], object]) -> Profile:
+def profile(model: torch.nn.Module, step: Callable[[], object], *, fake: bool = False) -> Profile:
     """Runs ``step()`` once under recording and returns what it did.
 
     ``step`` is one training step's forward and backward (``loss_fn(model(x), y).backward()``); its gradients,
     buffer updates and RNG draws happen exactly as in a plain call. Profile after a warm-up step if the optimizer
     creates state lazily, so that the static bytes include it.
 
+    With ``fake=True`` the step runs on fake tensors (NOTE [Fake profiles] in profiler/fake.py): it needs none of
+    eager's memory, trains nothing (gradients, buffers and the RNG are left as they were), and each distinct op is
+    then timed alone on real tensors of its recorded shapes, which also measures its temporary memory. Use it when
+    the eager step does not fit, or to plan for input shapes before any step runs with them.
+
     Args:
         model: the module whose submodules may later be recomputed.
         step: a callable running one forward and backward.
+        fake: run the step on fake tensors on the model's device.
 
     Returns:
         A :class:`Profile`.
 
     Raises:
-        LibraError: ``model`` is not a module or ``step`` not callable. Whatever ``step`` raises propagates unchanged,
-            with every hook removed.
+        LibraError: ``model`` is not a module or ``step`` not callable; with ``fake=True``, an op of the step cannot
+            run on fake tensors (named, with its module). Whatever ``step`` raises propagates unchanged, with every
+            hook removed.
 
     Example:
         >>> prof = libra.profile(model, lambda: loss_fn(model(x), y).backward())
@@ -64,14 +72,22 @@ def profile(model: torch.nn.Module, step: Callable[[], object]) -> Profile:
         raise LibraError(f"libra.profile: expected a torch.nn.Module, got {type(model).__name__}.")
     if not callable(step):
         raise LibraError(f"libra.profile: expected a callable step, got {type(step).__name__}.")
-    recording = StepRecording(model)
-    recording.start()
+    fake_step = None
+    if fake:
+        dispatch_overhead_seconds()  # measured on real tensors, before the fake mode is entered
+        fake_step = FakeStep(model, _model_device(model))
+        fake_step.__enter__()
+    recording = StepRecording(model, fake=fake_step)
     try:
+        recording.start()
         step()
         recording.stop()
     except BaseException:
         recording.abort()
         raise
+    finally:
+        if fake_step is not None:
+            fake_step.__exit__(None, None, None)
     return recording.finish()
 
 
@@ -85,9 +101,10 @@ class StepRecording:
     thread, where the mode and the hooks were entered.
     """
 
-    def __init__(self, model: torch.nn.Module, root_entered: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, root_entered: bool = False, fake: FakeStep | None = None) -> None:
         self.model = model
         self.root_entered = root_entered
+        self.fake = fake
         self.device = _model_device(model)
         self.recorder: Recorder | None = None
         self.probes: ModuleProbes | None = None
@@ -106,8 +123,13 @@ class StepRecording:
         self.overhead = dispatch_overhead_seconds()
         buffer_keys = {storage_key(b) for b in self.model.buffers()}
         self.recorder = Recorder(self.device, buffer_keys)
-        self.recorder.register_static(static_tensors(self.model, self.device))
-        if self.device.type == "cuda":
+        if self.fake is not None:  # before the static tensors: the recorder keys them by their fakes
+            self.recorder.fake = True
+            self.recorder.fake_mode = self.fake.mode
+            self.allocator = "benchmark"
+        self.recorder.register_static(
+            static_tensors(self.model, self.device, exclude=self.fake.originals if self.fake else ()))
+        if self.fake is None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             # what the allocator holds beyond every tensor Python can reach (cuBLAS's workspace, tensors held only
             # by C++): live through the step like the static tensors
@@ -119,7 +141,7 @@ class StepRecording:
                 self._hidden_sid = len(self.recorder.storages) - 1
             self.allocator = "cuda"
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.device.type == "cpu":
+        elif self.fake is None and self.device.type == "cpu":
             self._tap = TAP.attach()
             if self._tap is not None:
                 self.recorder.mark_ops = True
@@ -285,6 +307,12 @@ class StepRecording:
         self._exit()
         recorder, probes = self.recorder, self.probes
         ops = recorder.ops
+        if self.fake is not None:  # NOTE [Fake profiles]: times and temporaries from each op run alone, for real
+            seconds, transient = benchmark_ops(recorder.calls, self.device)
+            for op, s, b in zip(ops, seconds, transient):
+                op.seconds, op.transient_bytes = s, b
+            recorder.calls = []
+            self._wall_ns = int(sum(seconds) * 1e9 + recorder.bookkeeping_ns + self.overhead * len(ops) * 1e9)
         eager_peak, allocator_peak = self._allocator_truth(recorder)
         op_seconds = sum(o.seconds for o in ops)
         costs = self._region_costs(ops, recorder.storages)
@@ -310,6 +338,8 @@ class StepRecording:
             allocator=self.allocator,
             allocator_peak_bytes=allocator_peak,
             rng_state_bytes=torch.get_rng_state().nbytes if self.device.type == "cpu" else 0,
+            provenance={"memory": "fake" if self.fake is not None else "step",
+                        "op_seconds": "benchmark" if self.fake is not None else "step"},
         )
         log.info(
             "profiled one step: %d ops, %d saved tensors, eager peak %s (static %s), %.1f ms",

@@ -19,12 +19,15 @@ import weakref
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from libra._allocator import MARKER
 from libra._forward import ForwardSwaps
 from libra._ops import UNCOUNTED, arg_values, input_signature, kv_cache_args, op_info, storage_key, tensors_in
+from libra.errors import LibraError
+from libra.profiler.fake import OpCall
 from libra.profiler.types import ModuleCall, OpRecord, PackRecord, StorageRecord
 
 __all__ = ["Recorder", "ModuleProbes", "static_tensors", "dispatch_overhead_seconds", "allocated_bytes"]
@@ -66,12 +69,28 @@ class Recorder(TorchDispatchMode):
         self.bookkeeping_ns = 0
         self.closed = False
         self.mark_ops = False  # bracket each op with a MARKER range (set while the CPU allocator tap is attached)
-        self.fake = False  # the step runs on fake tensors (NOTE [Fake profiles])
+        self.fake = False  # the step runs on fake tensors (NOTE [Fake profiles] in profiler/fake.py)
+        self.fake_mode = None  # and this is its FakeTensorMode
+        self._fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id of a real tensor -> (it, its fake)
+        self.calls: list = []  # under fake tensors: each op's OpCall, to be benchmarked on real ones
         self._sid: dict[int, int] = {}
         self._finalizers: list[weakref.finalize] = []
 
     # ---- storages -------------------------------------------------------------------------------------------
+    def _as_fake(self, t: torch.Tensor) -> torch.Tensor:
+        """Under a fake step, the fake tensor the mode makes of a real one (the step's inputs, optimizer state):
+        ops see the real tensor here, above the mode, but alias its fake (NOTE [Fake profiles])."""
+        if self.fake_mode is None or isinstance(t, FakeTensor) or t.device != self.device:
+            return t
+        # held for the whole step: the mode remembers a conversion only while its fake lives, and a fake made
+        # afresh for each op that reads the tensor would be a new storage each time
+        got = self._fakes.get(id(t))
+        if got is None or got[0] is not t:
+            got = self._fakes[id(t)] = (t, self.fake_mode.from_tensor(t))
+        return got[1]
+
     def _register(self, t: torch.Tensor, alloc_op: int, producer: int, static: bool) -> int:
+        t = self._as_fake(t)
         key = storage_key(t)
         if key is None or t.device != self.device:
             return -1
@@ -103,6 +122,7 @@ class Recorder(TorchDispatchMode):
 
     def lookup(self, t: torch.Tensor) -> int:
         """Storage id of a tensor; a storage never seen before is registered as opaque from now on."""
+        t = self._as_fake(t)
         key = storage_key(t)
         if key is None or t.device != self.device:
             return -1
@@ -123,6 +143,7 @@ class Recorder(TorchDispatchMode):
                 fin.detach()
         self._finalizers.clear()
         self._sid.clear()
+        self._fakes.clear()
 
     # ---- ops ------------------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -155,6 +176,11 @@ class Recorder(TorchDispatchMode):
                 t0 = time.perf_counter_ns()
                 out = func(*args, **kwargs)
                 t1 = time.perf_counter_ns()
+        elif self.fake:
+            t0 = time.perf_counter_ns()
+            out = self._run_fake(func, info, args, kwargs)
+            t1 = time.perf_counter_ns()
+            self.calls.append(OpCall(func, args, kwargs))
         else:
             t0 = time.perf_counter_ns()
             out = func(*args, **kwargs)
@@ -204,6 +230,20 @@ class Recorder(TorchDispatchMode):
         )
         self.bookkeeping_ns += time.perf_counter_ns() - t_enter - (t1 - t0)
         return out
+
+    def _run_fake(self, func, info, args, kwargs):
+        from torch._subclasses.fake_tensor import DataDependentOutputException, UnsupportedOperatorException
+
+        try:
+            return func(*args, **kwargs)
+        except (DataDependentOutputException, UnsupportedOperatorException, NotImplementedError) as e:
+            where = self.module_stack[-1] if self.module_stack else "the step itself"
+            raise LibraError(
+                f"libra.profile(fake=True): {info.name} in {where!r} cannot run on fake tensors "
+                f"({type(e).__name__}: its output depends on values, or it has no fake kernel). Fix: register a "
+                "fake kernel for a custom op (torch.library.register_fake), or profile the real step "
+                "(fake=False) at a smaller batch."
+            ) from None
 
     # ---- saved tensors --------------------------------------------------------------------------------------
     def pack(self, t: torch.Tensor):
@@ -301,11 +341,13 @@ class ModuleProbes:
             self.recorder.call_stack.pop()
 
 
-def static_tensors(model: torch.nn.Module, device: torch.device) -> list[torch.Tensor]:
+def static_tensors(model: torch.nn.Module, device: torch.device, exclude=()) -> list[torch.Tensor]:
     """Every tensor live on ``device`` now: what gc can reach, plus parameters, buffers and their gradients (a
-    gradient made by autograd has no Python object until it is first read, so gc alone misses it)."""
+    gradient made by autograd has no Python object until it is first read, so gc alone misses it), but the tensors
+    of ``exclude`` (a fake step's real parameters, put aside while it runs)."""
     gc.collect()  # garbage in reference cycles would otherwise count as live, then vanish mid-step
-    found = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+    skip = {storage_key(t) for t in exclude}
+    found = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and storage_key(o) not in skip]
     for p in model.parameters():
         found.append(p)
         if p.grad is not None:

@@ -111,6 +111,9 @@ class Profile:
     # bytes on the device of the generator state ``checkpoint(preserve_rng_state=True)`` stashes per call: the CPU
     # generator's on a CPU device, 0 on CUDA (its states are host tensors) (NOTE [RNG state] in planner/simulate.py)
     rng_state_bytes: int = 0
+    # where the figures come from: "memory" ("step": a real step; "fake": fake tensors, NOTE [Fake profiles]),
+    # "op_seconds" ("step": timed in the step; "benchmark": each op signature timed alone on real tensors)
+    provenance: dict = field(default_factory=dict)
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     @property

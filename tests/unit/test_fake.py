@@ -1,0 +1,154 @@
+"""Fake profiles (NOTE [Fake profiles] in profiler/fake.py): the step on fake tensors records what a real step
+records, trains nothing, and plans made from it hold on the real model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import libra
+from libra.errors import LibraError
+from libra.planner import Planning
+from libra.testing import AllocatorMeter, assert_grads_equal, models
+
+BUILDERS = {
+    "resnet": lambda: models.make_resnet(batch=8, size=32),
+    "gpt": lambda: models.make_gpt(),
+    "unet": lambda: models.make_unet(batch=4, size=32),
+    "mlp": lambda: models.make_mlp(),
+}
+
+
+def _canonical(prof):
+    """What the planner reads of a profile, with storages numbered by first use (the static ones are registered in
+    whatever order the garbage collector lists them). Scalars of 8 bytes or less are left out: a fake BatchNorm's
+    counter and constants are not the real ones."""
+    big = lambda s: prof.storages[s].nbytes > 8  # noqa: E731
+    first: dict[int, int] = {}
+    for i, o in enumerate(prof.ops):
+        for s in o.inputs + o.outputs + o.writes:
+            first.setdefault(s, i)
+    first_pack: dict[int, int] = {}
+    for pi, p in enumerate(prof.packs):
+        first_pack.setdefault(p.storage, pi)
+
+    def key(s):
+        r = prof.storages[s]
+        return (first.get(s, -1), first_pack.get(s, -1), r.alloc_op, r.free_op, r.nbytes, r.producer, r.static)
+
+    used = sorted((s for s in set(first) | set(first_pack) if big(s)), key=key)
+    order = {s: k for k, s in enumerate(used)}
+    return (
+        [(o.name, o.backward, o.module, o.random, o.undeclared_writes, sorted(order[s] for s in o.inputs if big(s)),
+          sorted(order[s] for s in o.outputs if big(s))) for o in prof.ops],
+        [(prof.storages[s].nbytes, prof.storages[s].alloc_op, prof.storages[s].free_op, prof.storages[s].producer,
+          prof.storages[s].static) for s in used],
+        [(order[p.storage], p.pack_op, p.module_call, p.first_unpack, p.last_unpack) for p in prof.packs
+         if big(p.storage)],
+        [(c.module, c.call, c.start_op, c.end_op, c.depth, c.parent) for c in prof.module_calls],
+        prof.static_bytes,
+        prof.input_signature,
+    )
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_fake_profile_records_what_a_real_step_does(name):
+    model, x, y, loss_fn = BUILDERS[name]()
+    step = lambda: loss_fn(model(x), y).backward()  # noqa: E731
+    fake = libra.profile(model, step, fake=True)
+    real = libra.profile(model, step)
+    assert fake.provenance == {"memory": "fake", "op_seconds": "benchmark"}
+    assert real.provenance == {"memory": "step", "op_seconds": "step"}
+    f_ops, f_st, f_packs, f_calls, f_static, f_sig = _canonical(fake)
+    r_ops, r_st, r_packs, r_calls, r_static, r_sig = _canonical(real)
+    assert f_ops == r_ops and f_packs == r_packs and f_calls == r_calls and f_sig == r_sig
+    assert f_static == r_static and f_st == r_st
+    assert abs(fake.eager_peak_bytes - real.eager_peak_bytes) <= 4096, (fake.eager_peak_bytes, real.eager_peak_bytes)
+    assert all(o.seconds > 0 for o in fake.ops)
+    # each op signature was run alone on real tensors: its temporaries were measured, as the step measures them
+    if name in ("resnet", "unet"):
+        bwd = [(f.transient_bytes, r.transient_bytes) for f, r in zip(fake.ops, real.ops)
+               if f.name == "aten.convolution_backward.default"]
+        assert max(b for b, _ in bwd) > 0
+        assert max(b for b, _ in bwd) == max(b for _, b in bwd), bwd
+
+
+def test_fake_profile_trains_nothing():
+    model, x, y, loss_fn = models.make_resnet(batch=4, size=32)
+    params = [p for p in model.parameters()]
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    prof = libra.profile(model, lambda: loss_fn(model(x), y).backward(), fake=True)
+    assert prof.n_ops > 0
+    assert [p for p in model.parameters()] == params and all(p.grad is None for p in params)
+    assert all(type(p) is nn.Parameter for p in params)
+    for k, b in model.named_buffers():
+        assert torch.equal(b, buffers[k]), k
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_tied_weights_stay_tied_under_fake():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(100, 32)
+            self.out = nn.Linear(32, 100, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.out(torch.tanh(self.emb(ids)))
+
+    model, ids = Tied(), torch.randint(0, 100, (8, 16))
+    step = lambda: model(ids).logsumexp(-1).sum().backward()  # noqa: E731
+    fake = libra.profile(model, step, fake=True)
+    model.zero_grad(set_to_none=True)
+    real = libra.profile(model, step)
+    assert fake.static_bytes == real.static_bytes  # the shared weight counted once
+    assert model.out.weight is model.emb.weight
+
+
+def test_a_value_dependent_op_is_named_with_its_module():
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.gate = nn.Linear(8, 1)
+
+        def forward(self, x):
+            if self.gate(x).mean() > 0:  # a branch on a value
+                return self.fc(x)
+            return x
+
+    model, x = Branchy(), torch.randn(4, 8)
+    with pytest.raises(LibraError, match=r"cannot run on fake tensors.*Fix:"):
+        libra.profile(model, lambda: model(x).sum().backward(), fake=True)
+    assert all(type(p) is nn.Parameter and not isinstance(p.data, torch._subclasses.FakeTensor)
+               for p in model.parameters()), "the real parameters are back after a failed fake step"
+    libra.profile(model, lambda: model(x).sum().backward())  # and the model still trains for real
+
+
+@pytest.mark.parametrize("name", ["resnet", "gpt"])
+def test_plan_from_a_fake_profile_holds_on_the_real_model(name):
+    model, x, y, loss_fn = BUILDERS[name]()
+    eager, ours = model, copy.deepcopy(model)
+    prof = libra.profile(ours, lambda: loss_fn(ours(x), y).backward(), fake=True)
+    planning = Planning(prof)
+    budget = max(prof.budget_for_share(0.5), planning.min_budget_bytes())
+    plan = libra.plan(planning, budget)
+    assert plan.counts[libra.Decision.RECOMPUTE] > 0
+    for i in range(2):
+        torch.manual_seed(i)
+        with AllocatorMeter(extra=list(ours.parameters())) as meter:
+            with libra.apply(ours, plan):
+                loss_fn(ours(x), y).backward()
+        torch.manual_seed(i)
+        loss_fn(eager(x), y).backward()
+        assert_grads_equal(eager, ours)
+        eager.zero_grad(set_to_none=True)
+        ours.zero_grad(set_to_none=True)
+        assert meter.start_bytes == prof.static_bytes
+        assert meter.peak_bytes <= budget, (i, meter.peak_bytes, budget)
+        assert meter.peak_bytes >= 0.99 * plan.predicted_peak_bytes, (meter.peak_bytes, plan.predicted_peak_bytes)
