@@ -4,7 +4,7 @@ Profile one training step, plan under a byte budget which saved activations to k
 apply the plan to every later step, on stock eager PyTorch; ``max_batch`` finds the largest batch that fits.
 """
 
-from libra.errors import BudgetInfeasibleError, LibraError, PlanFormatError, PlanMismatchError
+from libra.errors import BudgetInfeasibleError, LibraError, PlanFormatError, PlanMismatchError, UnplannedInputsError
 from libra.fit import BatchFit, max_batch
 from libra.planner import plan
 from libra.planner.types import Decision, Plan
@@ -22,6 +22,7 @@ __all__ = [
     "Plan",
     "PlanFormatError",
     "PlanMismatchError",
+    "UnplannedInputsError",
     "Profile",
     "apply",
     "max_batch",

@@ -10,6 +10,7 @@ __all__ = [
     "BudgetInfeasibleError",
     "PlanMismatchError",
     "PlanFormatError",
+    "UnplannedInputsError",
     "internal_assert",
 ]
 
@@ -34,6 +35,18 @@ class BudgetInfeasibleError(LibraError):
 
 class PlanMismatchError(LibraError):
     """A plan does not fit the model or the step it is applied to."""
+
+
+class UnplannedInputsError(LibraError):
+    """A step's inputs have no plan, and finding out what they need would run it over the budget.
+
+    Attributes:
+        signature: the step's input signature (``["0:torch.int64[8, 512]"]``).
+    """
+
+    def __init__(self, message: str, *, signature: list[str]) -> None:
+        super().__init__(message)
+        self.signature = signature
 
 
 class PlanFormatError(LibraError):

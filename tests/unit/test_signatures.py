@@ -101,7 +101,7 @@ def test_each_input_signature_gets_its_own_plan(caplog):
     schedule = ["planned", "shorter", "shorter", "planned", "half", "half", "shorter", "planned"]
     meters = []
     with caplog.at_level(logging.INFO, logger="libra"):
-        with libra.apply(pair.ours, pair.plan):
+        with libra.apply(pair.ours, pair.plan, on_over_budget="warn"):
             for name in schedule:
                 meters.append((name, pair.step(name)))
     assert _nothing_installed(pair.ours)
@@ -140,7 +140,7 @@ def test_a_mode_entered_around_the_steps_survives_profiling():
     def pack(t):
         return t
 
-    with libra.apply(pair.ours, pair.plan):
+    with libra.apply(pair.ours, pair.plan, on_over_budget="warn"):
         with LiveBytesMeter(extra=list(pair.ours.parameters())), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             mode = _get_current_dispatch_mode()
@@ -156,7 +156,7 @@ def test_plans_for_other_inputs_outlive_the_with_block(caplog):
     pair = Pair()
     with caplog.at_level(logging.WARNING, logger="libra"):
         for name in ["shorter", "shorter", "planned", "shorter"]:
-            with libra.apply(pair.ours, pair.plan):
+            with libra.apply(pair.ours, pair.plan, on_over_budget="warn"):
                 meter = pair.step(name)
             assert _nothing_installed(pair.ours)
     assert len(_new_input_warnings(caplog)) == 1  # profiled once, its plan reused by the later blocks
@@ -166,7 +166,7 @@ def test_plans_for_other_inputs_outlive_the_with_block(caplog):
 def test_inputs_too_big_for_the_budget_get_the_smallest_peak(caplog):
     pair = Pair(share=0.35)
     with caplog.at_level(logging.WARNING, logger="libra"):
-        with libra.apply(pair.ours, pair.plan):
+        with libra.apply(pair.ours, pair.plan, on_over_budget="warn"):
             pair.step("double batch")
             meter = pair.step("double batch")
     assert any("no plan fits the budget" in m.getMessage() for m in caplog.records)
@@ -178,7 +178,7 @@ def test_inputs_too_big_for_the_budget_get_the_smallest_peak(caplog):
 def test_replan_false_runs_new_inputs_plainly(caplog):
     pair = Pair()
     with caplog.at_level(logging.WARNING, logger="libra"):
-        with libra.apply(pair.ours, pair.plan, replan=False):
+        with libra.apply(pair.ours, pair.plan, on_over_budget="warn", replan=False):
             for name in ["shorter", "planned", "shorter"]:
                 pair.step(name)
     warned = _new_input_warnings(caplog)
@@ -188,7 +188,7 @@ def test_replan_false_runs_new_inputs_plainly(caplog):
 
 def test_plans_for_other_inputs_are_bounded():
     pair = Pair()
-    with libra.apply(pair.ours, pair.plan, max_plans=1):
+    with libra.apply(pair.ours, pair.plan, on_over_budget="warn", max_plans=1):
         for name in ["shorter", "half", "half", "shorter"]:
             pair.step(name)
     variants = pair.plan.__dict__["_libra_variants"]
@@ -198,7 +198,7 @@ def test_plans_for_other_inputs_are_bounded():
 def test_a_profiled_forward_without_backward_is_discarded():
     pair = Pair()
     idx, _ = pair.batches["shorter"]
-    with libra.apply(pair.ours, pair.plan):
+    with libra.apply(pair.ours, pair.plan, on_over_budget="warn"):
         pair.ours(idx).sum()  # grad enabled, but no backward: the recording is dropped at the next step
         pair.step("shorter")  # profiled again, now with its backward
         pair.step("shorter")
@@ -211,7 +211,7 @@ def test_an_exception_in_a_profiled_step_leaves_nothing_behind():
     pair = Pair()
     idx, _ = pair.batches["shorter"]
     with pytest.raises(ZeroDivisionError):
-        with libra.apply(pair.ours, pair.plan):
+        with libra.apply(pair.ours, pair.plan, on_over_budget="warn"):
             pair.ours(idx)
             raise ZeroDivisionError
     assert _nothing_installed(pair.ours)
@@ -233,3 +233,46 @@ def test_plan_without_a_recorded_signature_matches_every_step(tmp_path):
         pair.step("planned")
         pair.step("shorter")  # the regions' own shape guard runs them plainly
     assert "_libra_variants" not in old.__dict__ or not old.__dict__["_libra_variants"].plans
+
+
+def test_new_inputs_raise_before_they_allocate_anything():
+    """The default: a step whose inputs no plan was made for would run over the budget while it is profiled, so it
+    raises from the root's forward pre-hook instead (NOTE [Plans per input signature])."""
+    pair = Pair()
+    idx, _ = pair.batches["shorter"]
+    with libra.apply(pair.ours, pair.plan):
+        pair.step("planned")
+        with AllocatorMeter(extra=list(pair.ours.parameters())) as meter:
+            with pytest.raises(libra.UnplannedInputsError, match=r"fake=True.*on_over_budget=\"warn\"") as info:
+                pair.ours(idx)
+        pair.step("planned")  # the block goes on
+    assert info.value.signature == [f"0:torch.int64[{am.TOK_BATCH}, {am.SEQ - 8}]"]
+    assert meter.peak_bytes - meter.start_bytes <= 4096, "the step allocated before it was refused"
+    assert _nothing_installed(pair.ours)
+
+
+def test_plans_made_ahead_from_fake_profiles_run_each_shape_under_its_budget():
+    pair = Pair()
+    shapes = ["shorter", "half"]
+    plans = [pair.plan]
+    for name in shapes:
+        fake = libra.profile(pair.ours, lambda name=name: lm_step(pair.ours, pair.batches[name]), fake=True)
+        plans.append(libra.plan(fake, max(pair.plan.budget_bytes, libra.planner.Planning(fake).min_budget_bytes())))
+    assert all(p.grad is None for p in pair.ours.parameters()), "a fake profile trains nothing"
+    by_name = dict(zip(["planned", *shapes], plans))
+    with libra.apply(pair.ours, plans):
+        for name in ["planned", "shorter", "half", "shorter", "planned", "half"]:
+            meter = pair.step(name)  # bit-equal to eager (asserted inside)
+            assert meter.peak_bytes <= by_name[name].budget_bytes, (name, meter.peak_bytes, by_name[name].budget_bytes)
+    assert "_libra_variants" not in pair.plan.__dict__ or not pair.plan.__dict__["_libra_variants"].plans
+
+
+def test_apply_refuses_two_plans_for_one_signature():
+    pair = Pair()
+    with pytest.raises(libra.LibraError, match="different input signatures"):
+        with libra.apply(pair.ours, [pair.plan, copy.deepcopy(pair.plan)]):
+            pass
+    with pytest.raises(libra.LibraError, match="on_over_budget"):
+        with libra.apply(pair.ours, pair.plan, on_over_budget="ignore"):
+            pass
+    assert _nothing_installed(pair.ours)

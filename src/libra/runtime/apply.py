@@ -13,7 +13,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_leaves
 
 from libra._forward import ForwardSwaps
-from libra.errors import BudgetInfeasibleError, LibraError, PlanMismatchError
+from libra.errors import BudgetInfeasibleError, LibraError, PlanMismatchError, UnplannedInputsError
 from libra.planner import plan as make_plan
 from libra.planner.types import Decision, Plan, RegionPlan
 from libra._ops import input_signature, kv_cache_args, storage_key
@@ -116,7 +116,10 @@ class _RegionForward:
 
 # NOTE [Plans per input signature]: a plan is made for one input signature: the dtype and shape of every tensor the
 # root module's call gets (Plan.input_signature). A step whose root call gets another signature never runs under
-# it. With ``replan=True`` that step runs plainly while it is profiled (a StepRecording started in the root's
+# it. ``libra.apply(model, [plan, ...])`` takes plans for several signatures (made ahead from fake profiles, which
+# need no memory). With ``on_over_budget="raise"`` (the default) a step with a signature none of them has raises
+# UnplannedInputsError from the root's forward pre-hook, before it allocates anything: the budget is a promise.
+# With ``"warn"`` and ``replan=True`` that step runs plainly while it is profiled (a StepRecording started in the root's
 # forward pre-hook and stopped when its backward ends), it is planned under the same budget, and later steps with
 # that signature run under their own plan. The plans for other signatures hang on the plan object (so a ``with``
 # block per step reuses them): at most ``max_plans`` of them, the least recently used dropped. Once 4 x max_plans
@@ -142,10 +145,13 @@ def _variants(plan: Plan) -> _Variants:
 class _Session:
     """The hooks of one ``apply`` block. Installs on enter, removes everything on exit."""
 
-    def __init__(self, model: torch.nn.Module, plan: Plan, replan: bool = True, max_plans: int = 4) -> None:
+    def __init__(self, model: torch.nn.Module, plan: Plan, replan: bool = True, max_plans: int = 4,
+                 on_over_budget: str = "raise", given: dict | None = None) -> None:
         self.model = model
         self.base = plan
         self.replan = replan
+        self.on_over_budget = on_over_budget
+        self.given: dict[tuple[str, ...], Plan] = given or {}  # plans passed for other input signatures
         self.max_plans = max_plans
         self.variants = _variants(plan)
         self.recording: StepRecording | None = None
@@ -201,14 +207,26 @@ class _Session:
         if not self.base.input_signature:
             return
         signature = tuple(input_signature(args, kwargs))
-        plan = self.base if signature == tuple(self.base.input_signature) else self.variants.plans.get(signature)
-        if plan is not None:
-            if plan is not self.base:
+        plan = self.base if signature == tuple(self.base.input_signature) else self.given.get(signature)
+        if plan is None:
+            plan = self.variants.plans.get(signature)
+            if plan is not None:
                 self.variants.plans.move_to_end(signature)
+        if plan is not None:
             if plan is not self.active:
                 self._activate(plan)
             return
         self._activate(None)
+        if self.on_over_budget == "raise":  # NOTE [Plans per input signature]: before anything is allocated
+            raise UnplannedInputsError(
+                f"libra.apply: expected inputs {self.base.input_signature}"
+                + (f" or one of the {len(self.given)} other planned signatures" if self.given else "")
+                + f", got {list(signature)}, which no plan was made for; profiling them in this step would run it "
+                "without recompute, over the budget. Fix: plan them ahead without running them, "
+                "plan = libra.plan(libra.profile(model, step_with_those_inputs, fake=True), budget), and pass "
+                "libra.apply(model, [plan, ...]); or pass on_over_budget=\"warn\" to profile such steps as they come.",
+                signature=list(signature),
+            )
         if not self.replan:
             self.note_once(("signature", signature),
                            "libra: inputs %s differ from the planned %s; replan=False, so steps with them run "
@@ -296,8 +314,9 @@ class _Session:
         """Marks the model as under a plan and, when the plan checkpoints anything or may be replaced by one for
         other inputs, wraps the planned modules and hooks the root."""
         setattr(self.model, _ACTIVE_ATTR, self)
-        if not self.base.regions and not (self.replan and self.base.input_signature):
-            return  # with nothing to evict and nothing to re-plan, install nothing
+        checks = self.base.input_signature and (self.replan or self.on_over_budget == "raise" or self.given)
+        if not self.base.regions and not checks and not self.given:
+            return  # with nothing to evict and no inputs to check, install nothing
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True))
         self._handles.append(self.model.register_forward_hook(self._root_post_hook))
         self._wrap(self.base)
@@ -321,7 +340,8 @@ class _Session:
 
 
 @contextlib.contextmanager
-def apply(model: torch.nn.Module, plan: Plan, *, replan: bool = True, max_plans: int = 4) -> Iterator[None]:
+def apply(model: torch.nn.Module, plan, *, on_over_budget: str = "raise", replan: bool = True,
+          max_plans: int = 4) -> Iterator[None]:
     """Runs the steps inside the ``with`` block under ``plan``.
 
     The model is the user's own: Libra replaces the ``forward`` of the planned modules by an instance attribute and
@@ -330,18 +350,26 @@ def apply(model: torch.nn.Module, plan: Plan, *, replan: bool = True, max_plans:
     ``replan=False``). ``LIBRA_DISABLE=1`` makes it a no-op; ``LIBRA_DEBUG=1`` logs every op the planned modules
     run, in forward and in replay, and whether it was saved, offloaded, recomputed or taken from the cache.
 
-    A step whose inputs differ in dtype or shape from those the plan was made for never runs under it: it runs
-    without recompute while Libra profiles it, and later steps with those inputs run under a plan of their own,
-    made for the same budget (one warning per new input signature).
+    A step whose inputs differ in dtype or shape from those a plan was made for never runs under it. Pass one plan
+    per input signature you train with (a list; plan the others ahead from ``libra.profile(..., fake=True)``, which
+    needs no memory). A step with inputs none of them was made for raises :class:`UnplannedInputsError` before it
+    allocates anything (``on_over_budget="raise"``); with ``"warn"`` it runs without recompute while Libra profiles
+    it, over the budget, and later steps with those inputs run under a plan of their own made for the same budget
+    (one warning per new input signature).
 
     Args:
-        model: the model the plan was made for (same parameter names, shapes and dtypes).
-        plan: from :func:`libra.plan` or :meth:`libra.Plan.load`.
-        replan: profile and plan steps with new input signatures (default). With False they run plainly.
-        max_plans: how many plans (one per input signature) are kept; the least recently used is dropped.
+        model: the model the plans were made for (same parameter names, shapes and dtypes).
+        plan: from :func:`libra.plan` or :meth:`libra.Plan.load`, or a list of them for several input signatures
+            (the first is the one steps with unrecorded signatures fall back to).
+        on_over_budget: ``"raise"`` (default) or ``"warn"``: what a step that cannot be kept under the budget does.
+        replan: with ``on_over_budget="warn"``, profile and plan steps with new input signatures (default); with
+            False they run plainly.
+        max_plans: how many plans made on the fly (one per input signature) are kept; the least recently used is
+            dropped.
 
     Raises:
-        PlanMismatchError: the plan was made for another model; the message names the first differing tensor.
+        PlanMismatchError: a plan was made for another model; the message names the first differing tensor.
+        UnplannedInputsError: (from the step) its inputs have no plan and ``on_over_budget="raise"``.
         LibraError: ``apply`` is already active on this model, or the arguments are of the wrong type.
 
     Example:
@@ -351,10 +379,25 @@ def apply(model: torch.nn.Module, plan: Plan, *, replan: bool = True, max_plans:
     """
     if not isinstance(model, torch.nn.Module):
         raise LibraError(f"libra.apply: expected a torch.nn.Module, got {type(model).__name__}.")
-    if not isinstance(plan, Plan):
+    plans = list(plan) if isinstance(plan, (list, tuple)) else [plan]
+    if not plans or not all(isinstance(p, Plan) for p in plans):
+        bad = next((p for p in plans if not isinstance(p, Plan)), None)
         raise LibraError(
-            f"libra.apply: expected a libra.Plan (from libra.plan or libra.Plan.load), got {type(plan).__name__}."
+            "libra.apply: expected a libra.Plan (from libra.plan or libra.Plan.load) or a non-empty list of them, "
+            f"got {type(plan).__name__ if not plans or bad is plan else 'a list holding a ' + type(bad).__name__}."
         )
+    if on_over_budget not in ("raise", "warn"):
+        raise LibraError(f"libra.apply: on_over_budget should be \"raise\" or \"warn\", got {on_over_budget!r}.")
+    plan, others = plans[0], plans[1:]
+    given: dict[tuple[str, ...], Plan] = {}
+    for p in others:
+        key = tuple(p.input_signature)
+        if not key or key == tuple(plan.input_signature) or key in given:
+            raise LibraError(
+                "libra.apply: expected plans for different input signatures, got two for "
+                f"{list(key) or 'an unrecorded signature'}. Fix: pass one plan per input shape."
+            )
+        given[key] = p
     if debug_enabled() and not log.handlers:
         # NOTE [LIBRA_DEBUG]: asked for by the environment, so shown even where the application configured no
         # logging: one stderr handler on the "libra" logger, added once.
@@ -373,9 +416,11 @@ def apply(model: torch.nn.Module, plan: Plan, *, replan: bool = True, max_plans:
         )
     if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
         raise LibraError(f"libra.apply: max_plans should be a positive int, got {max_plans!r}.")
-    _check_signature(model, plan)
+    for p in plans:
+        _check_signature(model, p)
     counts = plan.counts
-    session = _Session(model, plan, replan=bool(replan), max_plans=max_plans)
+    session = _Session(model, plan, replan=bool(replan), max_plans=max_plans, on_over_budget=on_over_budget,
+                       given=given)
     try:
         session.install()
         if plan.regions:
