@@ -126,8 +126,9 @@ class _Bracket:
         return min(max(guess, lo + 1), hi - 1)
 
 
-def _profile_at(make_step: Callable, batch_size: int, warmup: int) -> Profile | None:
-    """Profiles one step at ``batch_size`` after ``warmup`` plain steps; None when the device ran out of memory."""
+def _profile_at(make_step: Callable, batch_size: int, warmup: int, fake: bool = False) -> Profile | None:
+    """Profiles one step at ``batch_size`` after ``warmup`` plain steps (fake: on fake tensors, no warm-up); None
+    when the device ran out of memory."""
     import torch
 
     oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -141,6 +142,8 @@ def _profile_at(make_step: Callable, batch_size: int, warmup: int) -> Profile | 
                 "(model, step) for the given batch size."
             )
         model, step = made
+        if fake:
+            return profile(model, step, fake=True)
         for _ in range(warmup):
             step()
             model.zero_grad(set_to_none=True)
@@ -167,6 +170,7 @@ def max_batch(
     host_bandwidth: float | None = None,
     decisions=None,
     progress: Callable[[str], None] | None = None,
+    fake: bool = False,
 ) -> BatchFit:
     """Finds the largest batch size whose plan fits ``budget``, and eager's largest under the same budget.
 
@@ -174,7 +178,10 @@ def max_batch(
     predicted size and its neighbours until the largest fitting size is confirmed (NOTE [Batch search]).
 
     Each profile runs one real eager step at that size (after ``warmup`` plain steps), so on a GPU the device must
-    hold eager's step at every profiled size: a size that runs out of device memory counts as not fitting.
+    hold eager's step at every profiled size: a size that runs out of device memory counts as not fitting. With
+    ``fake=True`` each size is profiled on fake tensors instead (``libra.profile(..., fake=True)``), which needs no
+    eager memory, so the answer is not capped by what eager can run; build optimizer state in ``make_step`` then
+    (there is no warm-up step to create it).
 
     Args:
         make_step: ``make_step(batch_size)`` returns ``(model, step)``, as the factories of ``libra profile``;
@@ -185,6 +192,7 @@ def max_batch(
         warmup: plain steps before each profile, so optimizer state and first-call costs are the steady state.
         solver, host_bandwidth, decisions: as for :func:`libra.plan`.
         progress: called with one line per profiled size (the CLI prints them); the library itself never prints.
+        fake: profile every size on fake tensors (no eager memory needed).
 
     Returns:
         A :class:`BatchFit`.
@@ -212,7 +220,7 @@ def max_batch(
 
     def measure(size: int) -> None:
         nonlocal best
-        prof = _profile_at(make_step, size, warmup)
+        prof = _profile_at(make_step, size, warmup, fake)
         if prof is None:
             libra_search.add(size, None, False)
             eager_search.add(size, None, False)

@@ -97,6 +97,20 @@ def test_plan_at_the_answer_fits_when_applied(fit):
     assert meter.peak_bytes <= BUDGET
 
 
+def test_fake_profiles_find_the_same_batch_and_its_plan_fits(fit):
+    """NOTE [Fake profiles]: each size profiled on fake tensors (no eager step at any size) gives the same answer,
+    and the plan made from a fake profile holds on the real model."""
+    real, _ = fit
+    result = libra.max_batch(make, BUDGET, start=16, fake=True)
+    assert result.batch_size == real.batch_size and result.eager_max_batch == real.eager_max_batch
+    assert result.profile.provenance["memory"] == "fake"
+    model, step = make(result.batch_size)
+    with AllocatorMeter(extra=[*model.parameters(), *INPUTS[result.batch_size]]) as meter:
+        with libra.apply(model, result.plan):
+            step()
+    assert meter.peak_bytes <= BUDGET
+
+
 def test_progress_one_line_per_profile_and_never_prints(fit, capsys):
     result, lines = fit
     assert len(lines) == len(result.profiled)

@@ -10,9 +10,10 @@ from libra.cli.main import build_parser
 def test_all_snapshot():
     assert sorted(libra.__all__) == [
         "BatchFit", "BudgetInfeasibleError", "Decision", "LibraError", "Plan", "PlanFormatError", "PlanMismatchError",
-        "Profile", "apply", "max_batch", "plan", "profile",
+        "Profile", "UnplannedInputsError", "apply", "max_batch", "plan", "profile",
     ]
     assert issubclass(libra.BudgetInfeasibleError, libra.LibraError)
+    assert issubclass(libra.UnplannedInputsError, libra.LibraError)
     assert issubclass(libra.LibraError, RuntimeError)
 
 
@@ -23,10 +24,11 @@ def test_cli_snapshot():
     demo_flags = sorted(o for a in sub.choices["demo"]._actions for o in a.option_strings)
     assert demo_flags == ["--batch", "--help", "--layers", "--share", "--steps", "-h"]
     flags = {name: sorted(o for a in p._actions for o in a.option_strings) for name, p in sub.choices.items()}
-    assert flags["profile"] == ["--help", "--output", "--warmup", "-h", "-o"]
+    assert flags["profile"] == ["--fake", "--help", "--output", "--warmup", "-h", "-o"]
     assert flags["plan"] == ["--budget", "--help", "--output", "--solver", "-h", "-o"]
     assert flags["show"] == ["--help", "--plot", "--profile", "-h"]
-    assert flags["max-batch"] == ["--budget", "--help", "--max-profiles", "--output", "--start", "--warmup", "-h", "-o"]
+    assert flags["max-batch"] == ["--budget", "--fake", "--help", "--max-profiles", "--output", "--start", "--warmup",
+                                  "-h", "-o"]
 
 
 def test_import_does_not_initialise_cuda():

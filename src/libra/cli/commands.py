@@ -57,11 +57,11 @@ def _profile(args) -> int:
         raise LibraError("libra profile: the factory should return (model, step), step a callable running one "
                          "forward and backward.")
     model, step = made
-    for _ in range(args.warmup):
+    for _ in range(0 if args.fake else args.warmup):
         step()
         model.zero_grad(set_to_none=True)
-    print(f"profiling one step of {type(model).__name__} ...", file=sys.stderr)
-    prof = libra.profile(model, step)
+    print(f"profiling one {'fake ' if args.fake else ''}step of {type(model).__name__} ...", file=sys.stderr)
+    prof = libra.profile(model, step, fake=args.fake)
     prof.save(args.output)
     print(f"{args.output}: {prof.n_ops} ops, eager peak {format_bytes(prof.eager_peak_bytes)} "
           f"(static {format_bytes(prof.static_bytes)}), {prof.eager_step_seconds * 1e3:.1f} ms")
@@ -103,7 +103,8 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("profile", help="profile one training step from a (model, step) factory")
     p.add_argument("factory", help="SCRIPT_OR_MODULE:FACTORY, a callable returning (model, step)")
     p.add_argument("-o", "--output", default="profile.json", help="where to write the profile (profile.json)")
-    p.add_argument("--warmup", type=int, default=1, help="plain steps before profiling (default 1)")
+    p.add_argument("--warmup", type=int, default=1, help="plain steps before profiling (default 1; none with --fake)")
+    p.add_argument("--fake", action="store_true", help="record the step on fake tensors: no eager memory needed")
     p.set_defaults(run=_profile)
 
     p = sub.add_parser("plan", help="plan a profile under a byte budget")
