@@ -357,6 +357,7 @@ class Planning:
                     hooked=hooked,
                     stay=self._stay_ordinals(unit, shared) if hooked else [],
                     offload_inputs=hooked and ui in offload_inputs,
+                    plain_ok=unit.plain_ok,
                 )
             )
         keys = self._op_keys()
@@ -391,6 +392,38 @@ class Planning:
             input_signature=list(prof.input_signature),
             refused=self.refusals(sel),
         )
+
+    def split(self, state: State, t: int, selection: Selection | None = None) -> dict[str, int]:
+        """What is live at op ``t`` under ``state``, by kind: parameters, gradients, buffers, other static tensors
+        (optimizer state, inputs), activations, the op's own temporaries."""
+        sel = selection or self.selections[0]
+        prof = self.profile
+        names = {sid: name for sid, name in prof.static_names}
+        out = {"parameters": 0, "gradients": 0, "buffers": 0, "other static": 0, "activations": 0,
+               "kernel temporaries": prof.ops[t].transient_bytes if 0 <= t < len(prof.ops) else 0}
+        for ui, nbytes in sel.sim.replays_at(state, t):
+            out["activations"] += nbytes
+        for sid, nbytes in sel.sim.live_at(state, t):
+            name = names.get(sid, "")
+            if name.startswith("gradient of "):
+                out["gradients"] += nbytes
+            elif name.startswith("buffer "):
+                out["buffers"] += nbytes
+            elif name:
+                out["parameters"] += nbytes
+            elif prof.storages[sid].static:
+                out["other static"] += nbytes
+            elif self._made_gradient(sid):
+                out["gradients"] += nbytes
+            else:
+                out["activations"] += nbytes
+        return out
+
+    def _made_gradient(self, sid: int) -> bool:
+        """A storage backward made that outlives the step: a parameter's gradient, as far as the profile tells."""
+        prof = self.profile
+        rec = prof.storages[sid]
+        return rec.producer >= 0 and prof.ops[rec.producer].backward and rec.free_op >= len(prof.ops)
 
     def refusals(self, selection: Selection | None = None) -> list[list]:
         """``[module, call, reason]`` of each module call ``selection`` (by default the first) left out, once per
@@ -428,9 +461,19 @@ class Planning:
         for ui, nbytes in sel.sim.replays_at(state, t):
             lines.append((nbytes, f"{format_bytes(nbytes):>10}  the replay of {sel.units[ui].module!r} (what it "
                                   "recomputes)"))
+        names = {sid: name for sid, name in prof.static_names}
         for sid, nbytes in sel.sim.live_at(state, t)[:limit]:
             rec = prof.storages[sid]
-            what = keys[rec.producer] if rec.producer >= 0 else ("static (parameters, gradients, inputs...)" if rec.static else "opaque")
+            if rec.producer >= 0 and self._made_gradient(sid):
+                what = f"a gradient made in backward ({prof.ops[rec.producer].name})"
+            elif rec.producer >= 0:
+                what = keys[rec.producer]
+            elif sid in names:
+                what = names[sid]
+            elif rec.static:
+                what = "static: an input, optimizer state or another tensor live before the step"
+            else:
+                what = "opaque"
             lines.append((nbytes, f"{format_bytes(nbytes):>10}  {what}"))
         transient = prof.ops[t].transient_bytes if 0 <= t < len(prof.ops) else 0
         if transient:  # NOTE [Transient bytes] in planner/simulate.py
@@ -493,7 +536,10 @@ def plan(
         minimum = planning.min_budget_bytes()
         low = planning.lowest
         state = planning.lowest_state()
-        lines = planning.contributors(state, low.sim.run(state).peak_op, selection=low)
+        peak_op = low.sim.run(state).peak_op
+        lines = planning.contributors(state, peak_op, selection=low)
+        split = planning.split(state, peak_op, selection=low)
+        at_peak = ", ".join(f"{k} {format_bytes(v)}" for k, v in split.items() if v)
         static = planning.profile.static_bytes
         refused = planning.refusals(low)
         left_out = ""
@@ -505,17 +551,18 @@ def plan(
             fix = (f"Fix: Libra cannot lower this step's peak at all (nothing it may recompute or offload is live "
                    f"then); pass a budget of at least {minimum} bytes, or lower what is live then (the batch, or "
                    "the static bytes: parameters, gradients, optimizer state).")
-        elif static >= 0.5 * minimum:
-            fix = (f"Fix: pass a budget of at least {minimum} bytes; most of that peak was live before the step "
-                   "(parameters, gradients, optimizer state, inputs), which Libra does not move: a smaller "
-                   "optimizer state or sharding lowers it, a smaller batch less so.")
+        elif split["activations"] < 0.5 * sum(split.values()):
+            fix = (f"Fix: pass a budget of at least {minimum} bytes; most of that peak is parameters, gradients, "
+                   "optimizer state and inputs, which Libra does not recompute or offload: a lighter optimizer, "
+                   "lower-precision parameters or sharding (FSDP) lower it; a smaller batch lowers only the rest.")
         else:
             fix = f"Fix: pass a budget of at least {minimum} bytes, or lower the batch size."
         raise BudgetInfeasibleError(
             f"libra.plan: no plan keeps the step under {format_bytes(budget_bytes)} ({budget_bytes} bytes); the "
             f"smallest peak this planner reaches is {format_bytes(minimum)} ({minimum} bytes), of which "
             f"{format_bytes(static)} were live before the step began (parameters, gradients, optimizer state, "
-            f"inputs). Biggest tensors live at that peak:\n  " + "\n  ".join(lines) + "\n" + left_out + fix,
+            f"inputs). At that peak: {at_peak}. Biggest tensors live then:\n  " + "\n  ".join(lines) + "\n"
+            + left_out + fix,
             budget_bytes=budget_bytes,
             min_budget_bytes=minimum,
         )

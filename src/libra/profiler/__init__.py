@@ -147,6 +147,7 @@ class StepRecording:
                 self.recorder.mark_ops = True
                 self.allocator = "cpu-events"
         self.static_bytes = self.recorder.live_bytes
+        self.static_names = self._static_names()
         self.probes = ModuleProbes(self.model, self.recorder)
         self.probes.install(root=not self.root_entered)
         if self.device.type == "cuda":
@@ -162,6 +163,20 @@ class StepRecording:
         self._mode_entered = True
         self._thread = threading.get_ident()
         self._t0 = time.perf_counter_ns()
+
+    def _static_names(self) -> list[list]:
+        names: dict[int, str] = {}
+        for name, p in self.model.named_parameters():
+            sid = self.recorder.lookup(p)
+            if sid >= 0:
+                names.setdefault(sid, name)
+            if p.grad is not None and self.recorder.lookup(p.grad) >= 0:
+                names.setdefault(self.recorder.lookup(p.grad), f"gradient of {name}")
+        for name, b in self.model.named_buffers():
+            sid = self.recorder.lookup(b)
+            if sid >= 0:
+                names.setdefault(sid, f"buffer {name}")
+        return [[sid, name] for sid, name in sorted(names.items())]
 
     def enter_root(self, args, kwargs) -> None:
         self._root_call = self.probes.enter("", args, kwargs)
@@ -338,6 +353,7 @@ class StepRecording:
             allocator=self.allocator,
             allocator_peak_bytes=allocator_peak,
             rng_state_bytes=torch.get_rng_state().nbytes if self.device.type == "cpu" else 0,
+            static_names=self.static_names,
             provenance={"memory": "fake" if self.fake is not None else "step",
                         "op_seconds": "benchmark" if self.fake is not None else "step"},
         )

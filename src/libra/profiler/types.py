@@ -114,6 +114,9 @@ class Profile:
     # where the figures come from: "memory" ("step": a real step; "fake": fake tensors, NOTE [Fake profiles]),
     # "op_seconds" ("step": timed in the step; "benchmark": each op signature timed alone on real tensors)
     provenance: dict = field(default_factory=dict)
+    # [storage id, name] of the model's static tensors: "blocks.0.fc1.weight", "gradient of blocks.0.fc1.weight",
+    # "buffer bn.running_mean" (what error messages name at a peak)
+    static_names: list = field(default_factory=list)
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     @property
