@@ -572,3 +572,21 @@ class MutatedEscapeModel(Stack):
             inner.mul_(0.5)
             side = side + self.side(inner)
         return self.head(h + side)
+
+
+class RoutedBlock(nn.Module):
+    """A MoE-like block: the rows whose gate is positive go through ``expert``, so the expert's input shape depends
+    on the data and changes from batch to batch (NOTE [Unplanned shapes] in runtime/apply.py). Like Mixtral's router
+    jitter it scales its own input in place first, so the block is refused and its parts are planned instead."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d, 1)
+        self.expert = nn.Sequential(nn.Linear(d, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, d))
+
+    def forward(self, x):
+        x.mul_(torch.empty_like(x).uniform_(0.99, 1.01))
+        chosen = (self.gate(x) > 0).squeeze(-1)
+        out = x.clone()
+        out[chosen] = out[chosen] + self.expert(x[chosen])
+        return out

@@ -31,10 +31,10 @@ _PLAN_FIELDS = {
     "refused": list,
 }
 # added after schema 1 was first written; absent means "not recorded"
-_OPTIONAL = {"input_signature", "skip", "plain", "hooked", "stay", "offload_inputs", "refused"}
+_OPTIONAL = {"input_signature", "skip", "plain", "hooked", "stay", "offload_inputs", "refused", "plain_ok"}
 _REGION_FIELDS = {"module": str, "call": int, "ops": list, "save": list, "offload": list, "protect": dict,
                   "input_shapes": list, "skip": list, "plain": bool, "hooked": bool, "stay": list,
-                  "offload_inputs": bool}
+                  "offload_inputs": bool, "plain_ok": bool}
 _NON_NEGATIVE = {"budget_bytes", "predicted_peak_bytes", "eager_peak_bytes", "static_bytes", "predicted_step_seconds",
                  "eager_step_seconds", "planner_seconds"}
 
@@ -65,6 +65,7 @@ def plan_to_dict(plan: Plan) -> dict:
                 "hooked": r.hooked,
                 "stay": list(r.stay),
                 "offload_inputs": r.offload_inputs,
+                "plain_ok": r.plain_ok,
             }
             for r in plan.regions
         ],
@@ -165,7 +166,8 @@ def plan_from_dict(data: dict, path="<dict>") -> Plan:
             raise _fail(path, f"{where} keeps saves on the device (stay) or offloads its inputs but is not hooked")
         regions.append(RegionPlan(module=r["module"], call=r["call"], ops=list(r["ops"]), save=save,
                                   offload=offload, protect=protect, input_shapes=shapes, skip=skip, plain=plain,
-                                  hooked=hooked, stay=stay, offload_inputs=offload_inputs))
+                                  hooked=hooked, stay=stay, offload_inputs=offload_inputs,
+                                  plain_ok=r.get("plain_ok", False)))
     parameters = []
     for entry in data["parameters"]:
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[2], str)):

@@ -43,6 +43,9 @@ class RegionPlan:
             its own tensors (not its inputs, parameters or buffers) in the order autograd makes them; the saves of
             what the call returns.
         offload_inputs: hooked only: the inputs it saves go to host memory too (nothing else saves them).
+        plain_ok: plain checkpoint would recompute it exactly (it writes no module state and hands no random op a
+            generator of its own): a call that gets other input shapes than planned runs that way, recomputed whole,
+            instead of keeping everything (NOTE [Unplanned shapes] in runtime/apply.py).
     """
 
     module: str
@@ -57,6 +60,7 @@ class RegionPlan:
     hooked: bool = False
     stay: list[int] = field(default_factory=list)
     offload_inputs: bool = False
+    plain_ok: bool = False
 
 
 @dataclass

@@ -66,6 +66,21 @@ class _RegionForward:
             return self.forward(*args, **kwargs)
         shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
         if shapes != region.input_shapes:
+            # NOTE [Unplanned shapes]: a call whose input shape depends on the data (a MoE expert gets the tokens
+            # routed to it) cannot follow an op-level plan made at another shape. Kept whole, its activations
+            # broke the budget (Mixtral with router jitter: +14.5 MiB on 35.9); recomputed whole under plain
+            # checkpoint, it holds only its inputs, like the plan's regions. Only where that is exact (plain_ok).
+            if region.plain_ok and not kv_cache_args(args, kwargs):
+                self.session.note_once(
+                    ("shapes", self.fqn),
+                    "libra: %r got inputs of shapes %s, planned for %s; recomputing it whole (plain checkpoint) "
+                    "at those shapes.", self.fqn, shapes, region.input_shapes, level=logging.INFO,
+                )
+                plain = PlainRun(self.forward, self.session.offload)
+                if self.session.offload is not None:
+                    self.session.offload.register(plain)
+                return torch_checkpoint.checkpoint(plain.run, *args, use_reentrant=False, preserve_rng_state=True,
+                                                   **kwargs)
             self.session.note_once(
                 ("shapes", self.fqn),
                 "libra: %r got inputs of shapes %s, planned for %s; running it without recompute. "
