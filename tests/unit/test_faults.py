@@ -137,3 +137,88 @@ def test_libra_debug_logs_every_region_op(setup, monkeypatch, caplog):
     for h in list(libra_logger.handlers):  # the handler LIBRA_DEBUG added for users without logging set up
         libra_logger.removeHandler(h)
     libra_logger.setLevel(logging.NOTSET)
+
+
+# ---- the runtime's guards against wrong gradients: each refuses loudly when the step differs from the profiled one
+class _Flagged(torch.nn.Module):
+    """Three residual blocks; ``flags`` make the next step do what the profiled one did not."""
+
+    def __init__(self, flags: dict) -> None:
+        super().__init__()
+        self.flags = flags
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(32, 128), _Act(flags), torch.nn.Linear(128, 32)) for _ in range(3))
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            before = x
+            x = block(x)
+            if i == 0 and self.flags.get("change input"):
+                before.mul_(1.5)  # the block's input, changed after the block ran
+            if i == 0 and self.flags.get("change output"):
+                x.mul_(1.5)  # the block's output, changed after it returned
+            x = torch.tanh(x)
+        return self.head(x)
+
+
+class _Act(torch.nn.Module):
+    def __init__(self, flags: dict) -> None:
+        super().__init__()
+        self.flags = flags
+
+    def forward(self, x):
+        return torch.sigmoid(x) if self.flags.get("other op") else torch.relu(x)
+
+
+def _guarded(flag: str):
+    flags: dict = {}
+    torch.manual_seed(0)
+    model, x, y = _Flagged(flags), torch.randn(64, 32), torch.randint(0, 4, (64,))
+    step = lambda: torch.nn.functional.cross_entropy(model(x), y).backward()  # noqa: E731
+    prof = fixed_times(libra.profile(model, step))  # fixed times: Libra's modes, never plain checkpoint
+    model.zero_grad(set_to_none=True)
+    plan = libra.plan(prof, Planning(prof).min_budget_bytes())
+    assert plan.regions and not any(r.plain for r in plan.regions)
+    return model, x, y, flags, plan
+
+
+def test_a_replay_that_runs_other_ops_than_its_forward_raises():
+    model, x, y, flags, plan = _guarded("other op")
+    with libra.apply(model, plan):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        flags["other op"] = True  # the replay in backward takes another branch than the forward did
+        with pytest.raises(libra.LibraError, match="not deterministic given its inputs"):
+            loss.backward()
+    assert _no_hooks(model)
+
+
+def test_an_input_changed_in_place_after_its_region_ran_raises():
+    model, x, y, flags, plan = _guarded("change input")
+    assert any(r.module == "blocks.0" for r in plan.regions)
+    flags["change input"] = True
+    with libra.apply(model, plan):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        # Libra's own guard, or autograd's version check on what checkpoint saved: an error, never wrong gradients
+        with pytest.raises(RuntimeError, match="changed in place after its forward ran|modified by an inplace"):
+            loss.backward()
+    assert _no_hooks(model)
+
+
+def test_a_cached_output_changed_in_place_after_its_region_returned_raises_or_matches_eager():
+    """An output the cache keeps, changed in place after the module returned: the replay would see the changed
+    value, so it refuses, unless nothing the replay needs depends on it; then the gradients are eager's."""
+    model, x, y, flags, plan = _guarded("change output")
+    eager = copy.deepcopy(model)
+    flags["change output"] = True
+    eager.flags = eager.blocks[0][1].flags = flags
+    torch.manual_seed(3)
+    try:
+        with libra.apply(model, plan):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+    except libra.LibraError as e:
+        assert "was changed in place after the module returned" in str(e)
+        return
+    torch.manual_seed(3)
+    torch.nn.functional.cross_entropy(eager(x), y).backward()
+    assert_grads_equal(eager, model)
