@@ -38,6 +38,15 @@ STEPS = 3
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+# cases known to go over budget, with gradients still bit-equal: what is left of issue 14 (the run fails if one of
+# them stops going over, so that this list stays true)
+KNOWN_OVER = {
+    # a step that runs a layer the profiled step dropped recomputes it whole (NOTE [Unprofiled siblings]), which at
+    # a budget planned to the byte still adds that layer's input and its replay: 35.2 MiB against 33.7
+    ("hf.whisper_layerdrop", "minimum"),
+}
+
+
 def within(measured: int, budget: int) -> bool:
     return measured <= budget + 0.01 * budget + 256 * KiB
 
@@ -174,6 +183,10 @@ def hf_cases():
             vit_in, hf_loss, "8x3x64x64, patch 8, dropout 0.1"),
         "hf.whisper": (lambda: tf.WhisperForConditionalGeneration(wcfg), whisper_in, hf_loss,
                        "8x80x256 mel -> 8x64 labels"),
+        # layer drop: each step skips other layers than the profiled one did (control flow that leaves the plan)
+        "hf.whisper_layerdrop": (lambda: tf.WhisperForConditionalGeneration(tf.WhisperConfig(**dict(
+            wcfg.to_dict(), encoder_layers=4, decoder_layers=4, encoder_layerdrop=0.3, decoder_layerdrop=0.3))),
+            whisper_in, hf_loss, "8x80x256 mel -> 8x64 labels, 4+4 layers, layer drop 0.3"),
     }
     return cases
 
@@ -410,10 +423,22 @@ def main(argv=None) -> int:
     print(table(records))
     print()
     print(profile_table(records))
-    failed = [r["model"] for r in records if "error" in r or any(
-        "error" in c or not summarize(c)["within"] or not summarize(c)["grads"] for c in r["cases"])]
-    if failed:
-        print(f"[real_models] over tolerance, gradients differing or failed: {', '.join(failed)}", file=sys.stderr)
+    failed, fixed = [], []
+    for r in records:
+        for c in r.get("cases", [{"case": "all", "error": r.get("error")}]):
+            bad = "error" in c or not summarize(c)["grads"] or not summarize(c)["within"]
+            known = (r["model"], c["case"]) in KNOWN_OVER and "error" not in c and summarize(c)["grads"]
+            if bad and not known:
+                failed.append(f"{r['model']} ({c['case']})")
+            elif known and not bad:
+                fixed.append(f"{r['model']} ({c['case']})")
+    if failed or fixed:
+        if failed:
+            print(f"[real_models] over tolerance, gradients differing or failed: {', '.join(failed)}",
+                  file=sys.stderr)
+        if fixed:
+            print(f"[real_models] now within budget, take them out of KNOWN_OVER: {', '.join(fixed)}",
+                  file=sys.stderr)
         return 1
     return 0
 

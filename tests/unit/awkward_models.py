@@ -590,3 +590,17 @@ class RoutedBlock(nn.Module):
         out = x.clone()
         out[chosen] = out[chosen] + self.expert(x[chosen])
         return out
+
+
+class LayerDropStack(Stack):
+    """A stack whose forward skips the block ``self.skip`` (None: none), as layer drop or stochastic depth does:
+    the test sets it before each step."""
+
+    skip: int | None = None
+
+    def forward(self, x):
+        h = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if i != self.skip:
+                h = block(h)
+        return self.head(h)

@@ -508,6 +508,28 @@ def test_expert_with_data_dependent_input_shape_is_recomputed_whole(caplog):
         assert whole.peak_bytes < keep.peak_bytes, (i, whole.peak_bytes, keep.peak_bytes)
 
 
+def test_a_layer_the_profiled_step_dropped_is_recomputed_whole(caplog):
+    """NOTE [Unprofiled siblings]: the profiled step skipped block 2, later steps run it; it is recomputed whole
+    like its planned siblings, so the step stays under the budget (it kept everything before: over eager's own
+    peak on a Whisper with layer drop 0.3)."""
+    def skip(i, model):
+        model.skip = 2 if i == 0 else None
+
+    with caplog.at_level(logging.INFO, logger="libra"):
+        res = run_case(lambda: am.LayerDropStack(am.MLPBlock, depth=6), [features()], steps=2, share=0.5,
+                       before_step=skip)
+    assert "blocks.2" not in {r.module for r in res.plan.regions}
+    assert any("'blocks.2' ran, which the profiled step did not call" in r.getMessage() for r in caplog.records)
+    keep_all = copy.deepcopy(res.plan)
+    keep_all.__dict__.pop("_libra_variants", None)
+    for r in keep_all.regions:
+        r.plain_ok = False  # no sibling to follow: the dropped block keeps everything, as before
+    kept = run_case(lambda: am.LayerDropStack(am.MLPBlock, depth=6), [features()], steps=2, share=0.5,
+                    before_step=skip, check_peak=False, plan_override=keep_all)
+    for (i, whole), (_, keep) in zip(res.meters, kept.meters):
+        assert whole.peak_bytes < keep.peak_bytes, (i, whole.peak_bytes, keep.peak_bytes)
+
+
 def test_data_dependent_branch_and_loop(caplog):
     # other batches take other branches and trip counts than the profiled one: each call that leaves the profiled
     # op sequence keeps every output from there on (logged), and the replay of a call sees the same values as its

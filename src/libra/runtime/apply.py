@@ -63,7 +63,20 @@ class _RegionForward:
             return self.forward(*args, **kwargs)
         region = self.session.next_region(self.fqn)
         if region is None:
-            return self.forward(*args, **kwargs)
+            sibling = self.session.unprofiled.get(self.fqn)
+            if sibling is None:
+                return self.forward(*args, **kwargs)
+            # NOTE [Unprofiled siblings]
+            self.session.note_once(
+                ("unprofiled", self.fqn),
+                "libra: %r ran, which the profiled step did not call (layer drop?); recomputing it whole (plain "
+                "checkpoint), as its planned sibling %r is.", self.fqn, sibling, level=logging.INFO,
+            )
+            plain = PlainRun(self.forward, self.session.offload)
+            if self.session.offload is not None:
+                self.session.offload.register(plain)
+            return torch_checkpoint.checkpoint(plain.run, *args, use_reentrant=False, preserve_rng_state=True,
+                                               **kwargs)
         shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
         if shapes != region.input_shapes:
             # NOTE [Unplanned shapes]: a call whose input shape depends on the data (a MoE expert gets the tokens
@@ -179,6 +192,7 @@ class _Session:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.offload: OffloadContext | None = None
+        self.unprofiled: dict[str, str] = {}  # NOTE [Unprofiled siblings]
         self._static: set[int] | None = None
         self._activate(plan)
 
@@ -187,6 +201,8 @@ class _Session:
         """Runs the next steps under ``plan`` (None: plainly)."""
         self.active = plan
         self.regions = {(r.module, r.call): r for r in plan.regions} if plan is not None else {}
+        if plan is None:
+            self.unprofiled = {}
         if plan is not None and self.offload is None and any(r.offload or r.hooked for r in plan.regions):
             self.offload = OffloadContext(self.device)
         if plan is not None and self._handles:
@@ -311,9 +327,38 @@ class _Session:
                  plan.counts[Decision.OFFLOAD])
 
     # ---- hooks ----------------------------------------------------------------------------------------------
+    def _unprofiled_siblings(self, plan: Plan) -> dict[str, str]:
+        """NOTE [Unprofiled siblings]: layer drop (Whisper's, or stochastic depth) skips other layers each step; a
+        layer the profiled step skipped has no plan and kept all its activations (a Whisper with layer drop 0.3
+        ran over eager's own peak at a 50% budget). Such a module, of the same class as a sibling in the same
+        container that the plan recomputes and that plain checkpoint recomputes exactly (``plain_ok``), runs under
+        plain checkpoint, recomputed whole. A module counts as unprofiled when no decision of the plan names it or
+        anything inside it. Returns fqn -> the planned sibling's fqn."""
+        modules = dict(self.model.named_modules())
+        planned = {r.module for r in plan.regions}
+        seen = {key.split(":", 1)[0] for key in plan.decisions}
+        out: dict[str, str] = {}
+        for r in plan.regions:
+            if not r.plain_ok or "." not in r.module or r.module not in modules:
+                continue
+            parent_fqn, _ = r.module.rsplit(".", 1)
+            parent = modules.get(parent_fqn)
+            if parent is None:
+                continue
+            kind = type(modules[r.module])
+            for name, child in parent.named_children():
+                fqn = f"{parent_fqn}.{name}"
+                if type(child) is not kind or fqn in planned or fqn in out:
+                    continue
+                if any(s == fqn or s.startswith(fqn + ".") for s in seen):
+                    continue
+                out[fqn] = r.module
+        return out
+
     def _wrap(self, plan: Plan) -> None:
         modules = dict(self.model.named_modules())
-        for fqn in dict.fromkeys(r.module for r in plan.regions):
+        self.unprofiled = self._unprofiled_siblings(plan)
+        for fqn in dict.fromkeys([*(r.module for r in plan.regions), *self.unprofiled]):
             if fqn in self._wrapped:
                 continue
             module = modules.get(fqn)
