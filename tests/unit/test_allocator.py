@@ -16,7 +16,8 @@ import torch.nn.functional as F
 import libra
 from libra.errors import LibraError, PlanFormatError
 from libra.planner import Planning
-from libra.testing import AllocatorMeter, LiveBytesMeter, assert_grads_equal, models
+from libra.testing import AllocatorMeter, LiveBytesMeter, models
+from pairs import train_pair
 
 
 class _Conv(nn.Module):
@@ -115,16 +116,7 @@ def test_convnet_plan_holds_its_budget_on_the_allocator(share):
     budget = max(prof.budget_for_share(share), planning.min_budget_bytes())
     plan = libra.plan(planning, budget)
     assert plan.regions
-    for i in range(2):
-        torch.manual_seed(10 + i)
-        with AllocatorMeter(extra=list(ours.parameters())) as meter:
-            with libra.apply(ours, plan):
-                step(ours)
-        torch.manual_seed(10 + i)
-        step(eager)
-        assert_grads_equal(eager, ours)
-        eager.zero_grad(set_to_none=True)
-        ours.zero_grad(set_to_none=True)
+    for i, meter in enumerate(train_pair(eager, ours, plan, step, seed=10)):
         assert meter.start_bytes == prof.static_bytes
         assert meter.peak_bytes <= budget, (i, meter.peak_bytes, budget)
         # the simulator is the judge: it must not be far above what happens either

@@ -12,7 +12,8 @@ import torch.nn as nn
 import libra
 from libra.errors import LibraError
 from libra.planner import Planning
-from libra.testing import AllocatorMeter, assert_grads_equal, models
+from libra.testing import models
+from pairs import train_pair
 
 BUILDERS = {
     "resnet": lambda: models.make_resnet(batch=8, size=32),
@@ -139,16 +140,7 @@ def test_plan_from_a_fake_profile_holds_on_the_real_model(name):
     budget = max(prof.budget_for_share(0.5), planning.min_budget_bytes())
     plan = libra.plan(planning, budget)
     assert plan.counts[libra.Decision.RECOMPUTE] > 0
-    for i in range(2):
-        torch.manual_seed(i)
-        with AllocatorMeter(extra=list(ours.parameters())) as meter:
-            with libra.apply(ours, plan):
-                loss_fn(ours(x), y).backward()
-        torch.manual_seed(i)
-        loss_fn(eager(x), y).backward()
-        assert_grads_equal(eager, ours)
-        eager.zero_grad(set_to_none=True)
-        ours.zero_grad(set_to_none=True)
+    for i, meter in enumerate(train_pair(eager, ours, plan, lambda m: loss_fn(m(x), y).backward())):
         assert meter.start_bytes == prof.static_bytes
         assert meter.peak_bytes <= budget, (i, meter.peak_bytes, budget)
         assert meter.peak_bytes >= 0.99 * plan.predicted_peak_bytes, (meter.peak_bytes, plan.predicted_peak_bytes)

@@ -12,7 +12,8 @@ import libra
 from libra.cli.commands import load_factory
 from libra.planner import Planning
 from libra.planner.solvers import milp
-from libra.testing import AllocatorMeter, assert_grads_equal, fixed_times, models
+from libra.testing import fixed_times, models
+from pairs import train_pair
 
 
 @pytest.fixture(scope="module")
@@ -66,16 +67,7 @@ def test_exact_solver_limit_and_its_plan_applied(small, monkeypatch):
     plan = libra.plan(planning, budget, solver="milp")
     assert plan.solver == "milp" and plan.counts[libra.Decision.RECOMPUTE] > 0
     eager = copy.deepcopy(model)
-    for i in range(2):
-        torch.manual_seed(i)
-        with AllocatorMeter(extra=list(model.parameters())) as meter:
-            with libra.apply(model, plan):
-                loss_fn(model(x), y).backward()
-        torch.manual_seed(i)
-        loss_fn(eager(x), y).backward()
-        assert_grads_equal(eager, model)
-        model.zero_grad(set_to_none=True)
-        eager.zero_grad(set_to_none=True)
+    for meter in train_pair(eager, model, plan, lambda m: loss_fn(m(x), y).backward()):
         # the eager copy is live now and was not when profiled: compare what the step adds
         assert meter.peak_bytes - meter.start_bytes <= budget - prof.static_bytes
 
