@@ -47,6 +47,15 @@ KNOWN_OVER = {
 }
 
 
+def _grads_equal(eager, ours) -> tuple[bool, str]:
+    """Whether every gradient, parameter and buffer is bit-identical, and the first difference if not."""
+    try:
+        assert_grads_equal(eager, ours)
+        return True, ""
+    except AssertionError as e:
+        return False, str(e)
+
+
 def within(measured: int, budget: int) -> bool:
     return measured <= budget + 0.01 * budget + 256 * KiB
 
@@ -236,12 +245,9 @@ def run_model(name, build, make_inputs, loss_fn, desc) -> dict:
     prof = libra.profile(ours, lambda: step(ours))
     torch.manual_seed(1234)
     step(eager)
-    try:
-        assert_grads_equal(eager, ours)
-        rec["profile_grads_equal"] = True
-    except AssertionError as e:
-        rec["profile_grads_equal"] = False
-        rec["profile_grads_error"] = str(e)
+    rec["profile_grads_equal"], error = _grads_equal(eager, ours)
+    if error:
+        rec["profile_grads_error"] = error
     finish()
 
     planning = Planning(prof)
@@ -304,12 +310,9 @@ def run_model(name, build, make_inputs, loss_fn, desc) -> dict:
             s["within_tolerance"] = within(m.peak_bytes, budget)
             s["eager_measured_above_start_bytes"] = me.peak_bytes - me.start_bytes
             s["loss_equal"] = bool(torch.equal(loss_o, loss_e))
-            try:
-                assert_grads_equal(eager, ours)
-                s["grads_equal"] = True
-            except AssertionError as e:
-                s["grads_equal"] = False
-                s["grads_error"] = str(e)
+            s["grads_equal"], error = _grads_equal(eager, ours)
+            if error:
+                s["grads_error"] = error
             finish()
             if not s["grads_equal"]:
                 resync()
