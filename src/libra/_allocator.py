@@ -28,7 +28,7 @@ import threading
 
 import torch
 
-__all__ = ["AllocatorTap", "TAP", "MARKER", "END_MARKER", "peak_above_start", "per_marker_highs"]
+__all__ = ["AllocatorTap", "TAP", "MARKER", "END_MARKER", "peak_above_start", "per_marker_highs", "per_marker_extra"]
 
 log = logging.getLogger("libra")
 
@@ -155,6 +155,20 @@ def peak_above_start(memory: list[tuple[int, int]]) -> int:
         if level > peak:
             peak = level
     return peak
+
+
+def per_marker_extra(memory: list[tuple[int, int]], markers: list[tuple[int, int]]) -> list[int]:
+    """For each marker range, the most the allocator held inside it above what it held when the range ended:
+    what an op took and gave back before returning (0 where nothing was)."""
+    times = [t for t, _ in memory]
+    out = []
+    for start, end in markers:
+        level = peak = 0
+        for k in range(bisect.bisect_left(times, start), bisect.bisect_right(times, end)):
+            level += memory[k][1]
+            peak = max(peak, level)
+        out.append(max(peak - max(level, 0), 0))
+    return out
 
 
 def per_marker_highs(memory: list[tuple[int, int]], markers: list[tuple[int, int]], end: int | None = None) -> list[int]:

@@ -170,8 +170,9 @@ class StepRecording:
             sid = self.recorder.lookup(p)
             if sid >= 0:
                 names.setdefault(sid, name)
-            if p.grad is not None and self.recorder.lookup(p.grad) >= 0:
-                names.setdefault(self.recorder.lookup(p.grad), f"gradient of {name}")
+            grad = self.recorder.lookup(p.grad) if p.grad is not None else -1
+            if grad >= 0:
+                names.setdefault(grad, f"gradient of {name}")
         for name, b in self.model.named_buffers():
             sid = self.recorder.lookup(b)
             if sid >= 0:

@@ -17,14 +17,13 @@ custom op without a fake kernel cannot run fake; the profile raises :class:`Libr
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 
 import torch
 from torch.utils._pytree import tree_map
 
-from libra._allocator import MARKER, TAP
+from libra._allocator import MARKER, TAP, per_marker_extra
 from libra.errors import LibraError
 
 __all__ = ["FakeStep", "OpCall", "benchmark_ops"]
@@ -215,11 +214,5 @@ def _transients(calls: list[OpCall], device: torch.device) -> dict[tuple, int]:
             ran.append(call.key)
     finally:
         TAP.detach(att)
-    times = [t for t, _ in att.memory]
-    for key, (start, end) in zip(ran, att.markers):
-        level = peak = 0
-        for k in range(bisect.bisect_left(times, start), bisect.bisect_right(times, end)):
-            level += att.memory[k][1]
-            peak = max(peak, level)
-        out[key] = max(peak - max(level, 0), 0)
+    out.update(zip(ran, per_marker_extra(att.memory, att.markers)))
     return out

@@ -58,6 +58,13 @@ class _RegionForward:
         self.fqn = fqn
         self.forward = forward
 
+    def _plain(self, args, kwargs):
+        """The call under plain ``torch.utils.checkpoint``, recomputed whole (NOTE [Plain regions])."""
+        plain = PlainRun(self.forward, self.session.offload)
+        if self.session.offload is not None:
+            self.session.offload.register(plain)
+        return torch_checkpoint.checkpoint(plain.run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
@@ -72,11 +79,7 @@ class _RegionForward:
                 "libra: %r ran, which the profiled step did not call (layer drop?); recomputing it whole (plain "
                 "checkpoint), as its planned sibling %r is.", self.fqn, sibling, level=logging.INFO,
             )
-            plain = PlainRun(self.forward, self.session.offload)
-            if self.session.offload is not None:
-                self.session.offload.register(plain)
-            return torch_checkpoint.checkpoint(plain.run, *args, use_reentrant=False, preserve_rng_state=True,
-                                               **kwargs)
+            return self._plain(args, kwargs)
         shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
         if shapes != region.input_shapes:
             # NOTE [Unplanned shapes]: a call whose input shape depends on the data (a MoE expert gets the tokens
@@ -89,11 +92,7 @@ class _RegionForward:
                     "libra: %r got inputs of shapes %s, planned for %s; recomputing it whole (plain checkpoint) "
                     "at those shapes.", self.fqn, shapes, region.input_shapes, level=logging.INFO,
                 )
-                plain = PlainRun(self.forward, self.session.offload)
-                if self.session.offload is not None:
-                    self.session.offload.register(plain)
-                return torch_checkpoint.checkpoint(plain.run, *args, use_reentrant=False, preserve_rng_state=True,
-                                                   **kwargs)
+                return self._plain(args, kwargs)
             self.session.note_once(
                 ("shapes", self.fqn),
                 "libra: %r got inputs of shapes %s, planned for %s; running it without recompute. "
@@ -125,10 +124,7 @@ class _RegionForward:
             if debug_enabled():
                 log.debug("libra: %s[%d] runs under plain checkpoint (everything recomputed)", region.module,
                           region.call)
-            plain = PlainRun(self.forward, self.session.offload)
-            if self.session.offload is not None:
-                self.session.offload.register(plain)
-            return torch_checkpoint.checkpoint(plain.run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            return self._plain(args, kwargs)
         run = RegionRun(region, self.forward, self.session.offload, note=self.session.note_once)
         if self.session.offload is not None:
             self.session.offload.register(run)
