@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-BATCH, C, L = 8, 8, 32
+# a batch at which activations, not parameter gradients, make the peak (DESIGN.md pitfall 16)
+BATCH, C, L = 32, 8, 32
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,24 @@ FAST = 1e13  # bytes per second: offloading is nearly free
 SLOW = 1e6
 
 
-def _plan(case, decisions, bandwidth=FAST, share=0.5):
-    prof = case.profile
+# per forward op, per replayed op and per call under Libra's modes, then under plain checkpoint: what an idle
+# machine measures (NOTE [Region overhead] in runtime/calibrate.py)
+IDLE_COSTS = (20e-6, 20e-6, 150e-6, 10e-6, 10e-6, 60e-6)
+
+
+def _steady(case, region_costs=IDLE_COSTS):
+    """The case's profile with fixed op times (0.1 ms) and executor costs: which mechanism a plan picks must not
+    depend on how loaded the machine was when it profiled."""
+    prof = copy.deepcopy(case.profile)
+    for op in prof.ops:
+        op.seconds = 1e-4
+    prof.eager_step_seconds = 1e-4 * len(prof.ops)
+    prof.region_costs = list(region_costs)
+    return prof
+
+
+def _plan(case, decisions, bandwidth=FAST, share=0.5, prof=None):
+    prof = case.profile if prof is None else prof
     planning = Planning(prof, bandwidth, decisions)
     return libra.plan(planning, max(prof.budget_for_share(share), planning.min_budget_bytes()))
 
@@ -43,9 +59,7 @@ def test_offload_only_never_recomputes_plainly(case):
     """A plain region recomputes everything: never in a plan that may not recompute, even where Libra's modes
     are measured dear enough that plain checkpoint would be the faster plan (a run on a busy machine once made
     the offload-only plan all plain, offloading nothing)."""
-    prof = copy.deepcopy(case.profile)
-    costs = list(prof.region_costs)
-    prof.region_costs = [c * 50 for c in costs[:3]] + costs[3:]
+    prof = _steady(case, [c * 50 for c in IDLE_COSTS[:3]] + list(IDLE_COSTS[3:]))
     planning = Planning(prof, FAST, {"keep", "offload"})
     plan = libra.plan(planning, max(prof.budget_for_share(0.5), planning.min_budget_bytes()))
     assert plan.counts[libra.Decision.OFFLOAD] > 0
@@ -53,8 +67,9 @@ def test_offload_only_never_recomputes_plainly(case):
 
 
 def test_bandwidth_decides_the_trade(case):
-    slow = _plan(case, {"keep", "recompute", "offload"}, SLOW, share=0.75)
-    fast = _plan(case, {"keep", "recompute", "offload"}, FAST, share=0.75)
+    prof = _steady(case)
+    slow = _plan(case, {"keep", "recompute", "offload"}, SLOW, share=0.75, prof=prof)
+    fast = _plan(case, {"keep", "recompute", "offload"}, FAST, share=0.75, prof=prof)
     assert slow.counts[libra.Decision.OFFLOAD] == 0 and slow.counts[libra.Decision.RECOMPUTE] > 0
     assert fast.counts[libra.Decision.OFFLOAD] > 0
     assert fast.predicted_step_seconds <= slow.predicted_step_seconds
@@ -131,12 +146,7 @@ def test_planner_hooks_units_when_copies_are_cheap(case):
     Libra's modes (no dispatch mode, nothing replayed); with a slow one, nothing is offloaded. Op times and the
     executor's costs are fixed at what an idle machine measures (the hooks' per-op cost, plain checkpoint's, half
     the modes'): measured ones make the plan depend on the machine's load."""
-    prof = copy.deepcopy(case.profile)
-    for op in prof.ops:
-        op.seconds = 1e-4
-    prof.eager_step_seconds = 1e-4 * len(prof.ops)
-    # per forward op, per replayed op and per call under Libra's modes, then under plain checkpoint
-    prof.region_costs = [20e-6, 20e-6, 150e-6, 10e-6, 10e-6, 60e-6]
+    prof = _steady(case)
 
     def plan(bandwidth):
         planning = Planning(prof, bandwidth, {"keep", "recompute", "offload"})

@@ -1,7 +1,6 @@
 """The planner on real profiles: the greedy against the exact MILP, and the simulator against eager's own timeline."""
 
 import copy
-import time
 
 import pytest
 
@@ -66,12 +65,6 @@ def test_milp_through_plan(case):
     assert plan.solver == "milp" and plan.predicted_peak_bytes <= plan.budget_bytes
 
 
-def test_greedy_is_fast_on_test_profiles(case, planning):
-    t0 = time.perf_counter()
-    libra.plan(planning, case.profile.budget_for_share(0.5))
-    assert time.perf_counter() - t0 < 1.0
-
-
 def test_plan_is_deterministic(case):
     prof = case.profile
     a = libra.plan(prof, prof.budget_for_share(0.5))
@@ -82,8 +75,9 @@ def test_plan_is_deterministic(case):
 
 @pytest.mark.parametrize("bandwidth", [None, 2e9])
 def test_a_larger_budget_is_never_slower(case, bandwidth):
-    # NOTE [Monotone in the budget] (solvers/front.py), on real profiles, with offloading and without
-    planning = Planning(case.profile, host_bandwidth=bandwidth)
+    # NOTE [Monotone in the budget] (solvers/front.py), on real profiles, with offloading and without (steady op
+    # times: a failure must reproduce)
+    planning = Planning(_steady_times(case.profile), host_bandwidth=bandwidth)
     lo, hi = planning.min_budget_bytes(), case.profile.eager_peak_bytes
     previous = None
     for k in range(21):
