@@ -496,6 +496,24 @@ class FlagBlock(nn.Module):
         return x + torch.sigmoid(h)
 
 
+class FlagNormBlock(nn.Module):
+    """Runs an extra op before its BatchNorm when ``extra`` is set: the norm, which updates its running statistics
+    without its schema saying so, runs after the call has left the profiled op sequence."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, HIDDEN)
+        self.norm = nn.BatchNorm1d(HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, d)
+        self.extra = False
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        if self.extra:
+            h = h * 1.5
+        return x + self.fc2(torch.tanh(self.norm(h)))
+
+
 class DataDependentBlock(nn.Module):
     """Its op sequence depends on the values it gets: a branch on the input's mean and a loop whose trip count is
     read from the data (``.item()``), so steps with other batches dispatch other ops than the profiled one."""

@@ -125,7 +125,8 @@ class _RegionForward:
                 log.debug("libra: %s[%d] runs under plain checkpoint (everything recomputed)", region.module,
                           region.call)
             return self._plain(args, kwargs)
-        run = RegionRun(region, self.forward, self.session.offload, note=self.session.note_once)
+        run = RegionRun(region, self.forward, self.session.offload, note=self.session.note_once,
+                        buffer_keys=self.session.buffer_keys())
         if self.session.offload is not None:
             self.session.offload.register(run)
         return torch_checkpoint.checkpoint(
@@ -190,6 +191,7 @@ class _Session:
         self.offload: OffloadContext | None = None
         self.unprofiled: dict[str, str] = {}  # NOTE [Unprofiled siblings]
         self._static: set[int] | None = None
+        self._buffers: set[int] | None = None
         self._activate(plan)
 
     # ---- which plan runs ------------------------------------------------------------------------------------
@@ -211,6 +213,13 @@ class _Session:
             self._static = {storage_key(t) for t in (*self.model.parameters(), *self.model.buffers())}
         return self._static
 
+    def buffer_keys(self) -> set[int]:
+        """Storages of the model's buffers (NOTE [Leaving the profiled ops] in runtime/region.py), taken once per
+        step like ``static_keys``."""
+        if self._buffers is None:
+            self._buffers = {storage_key(t) for t in self.model.buffers()}
+        return self._buffers
+
     def next_region(self, fqn: str) -> RegionPlan | None:
         call = self.counts.get(fqn, 0)
         self.counts[fqn] = call + 1
@@ -225,7 +234,7 @@ class _Session:
         if not torch.is_grad_enabled():
             return
         self.counts = {}
-        self._static = None
+        self._static = self._buffers = None
         if self.offload is not None:
             self.offload.new_step()
         if self.recording is not None:

@@ -4,8 +4,12 @@ modes as ``context_fn`` deciding per op occurrence what is kept and what is repl
 NOTE [Region executor contract]
 - Forward (``_ForwardMode``): every op runs; outputs of ops the plan saves are kept in the region's cache (detached
   aliases, no autograd history). Before an in-place op writes to a cached storage, the cache takes a private copy
-  (copy-on-write), so the cache always holds values as they were produced. If the op sequence leaves the profiled
-  one, the rest of the region saves every fresh output: more memory, never a wrong value.
+  (copy-on-write), so the cache always holds values as they were produced. NOTE [Leaving the profiled ops]: if the
+  op sequence leaves the profiled one (a data-dependent branch), the plan's op indices mean nothing from there on,
+  so the rest of the call keeps nothing and is recomputed whole in backward. An op there that gets a module buffer
+  may write it without saying so (BatchNorm's running statistics), which the plan's ``protect`` lists only for the
+  profiled ops: its replay gets private copies of every buffer it is handed. Keeping every output instead ran over
+  the budget by everything the rest of the call makes.
 - Replay (``_ReplayMode``): ops run in the recorded order; cached ops return their kept outputs without running (so
   BatchNorm never updates running stats twice when saved), as clones where the forward went on to write them in
   place (the replay writes them again, and a second replay, after ``retain_graph=True``, must find them as they
@@ -298,8 +302,10 @@ class HookRun:
 class RegionRun:
     """State of one checkpointed call of one module: the cache shared by its forward and its replays."""
 
-    def __init__(self, region: RegionPlan, forward, offload: "OffloadContext | None" = None, note=None) -> None:
+    def __init__(self, region: RegionPlan, forward, offload: "OffloadContext | None" = None, note=None,
+                 buffer_keys: "set[int] | None" = None) -> None:
         self.region = region
+        self.buffer_keys = buffer_keys or set()  # storages of the model's buffers (NOTE [Leaving the profiled ops])
         self.note = note  # note(key, message, *args): logs once per key (the apply session's), else every time
         self.debug = debug_enabled()
         self.forward = forward
@@ -398,13 +404,18 @@ class RegionRun:
                     )
                     self._note_versions(index)
 
+    def buffer_args(self, func, args, kwargs) -> set[str]:
+        """The arguments of an op that are module buffers (NOTE [Leaving the profiled ops])."""
+        return {name for name, value in arg_values(func, args, kwargs)
+                if any(storage_key(t) in self.buffer_keys for t in tensors_in(value))}
+
     def diverged(self, index: int, name: str) -> None:
         self.following = False
         self.diverged_at = index
         expected = self.region.ops[index] if index < len(self.region.ops) else "the end of the module"
-        message = ("libra: %r ran %s as op %d where the profile had %s; this call keeps every output from here on "
-                   "(correct, more memory). Re-profile if the model changed; control flow that depends on the data "
-                   "makes this happen on every step that takes another path.")
+        message = ("libra: %r ran %s as op %d where the profile had %s; this call recomputes the rest of its ops "
+                   "in backward (correct, more time). Re-profile if the model changed; control flow that depends on "
+                   "the data makes this happen on every step that takes another path.")
         args = (self.region.module, name, index, expected)
         if self.note is not None:
             self.note(("diverged", self.region.module, self.region.call, index, name), message, *args)
@@ -448,7 +459,7 @@ class _ForwardMode(_RegionMode):
         out = func(*args, **kwargs)
         if r.following and (index >= len(r.region.ops) or r.region.ops[index] != info.name):
             r.diverged(index, info.name)
-        kept = (index in r.save) if r.following else any(info.fresh_returns)
+        kept = r.following and index in r.save
         if kept:
             r.keep(index, out)
             if info.random and own is None:
@@ -489,7 +500,10 @@ class _ReplayMode(_RegionMode):
                 _restore_generators(r.rng_after[index])
             out = _placeholder(func, args, kwargs, r.skipped_meta[index])
         else:
-            names = set(r.region.protect.get(index, ())) if index < r.diverged_at else set()
+            if index < r.diverged_at:
+                names = set(r.region.protect.get(index, ()))
+            else:  # NOTE [Leaving the profiled ops]
+                names = r.buffer_args(func, args, kwargs)
             info = op_info(func)
             if info.write_args:
                 for name, value in arg_values(func, args, kwargs):
