@@ -156,12 +156,12 @@ def test_profiles_of_the_old_schema_are_refused(tmp_path):
     path = tmp_path / "p.json"
     prof.save(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 2 and "transient_bytes" in data["ops"][0]
-    data["schema_version"] = 1
-    for op in data["ops"]:
-        del op["transient_bytes"]
+    assert data["schema_version"] == 3 and "transient_bytes" in data["ops"][0] and data["host_bandwidth"] == 0.0
+    assert libra.Profile.load(path) == prof
+    data["schema_version"] = 2
+    del data["host_bandwidth"]
     path.write_text(json.dumps(data))
-    with pytest.raises(PlanFormatError, match="schema_version 1; this Libra reads 2"):
+    with pytest.raises(PlanFormatError, match="schema_version 2; this Libra reads 3"):
         libra.Profile.load(path)
 
 

@@ -27,7 +27,7 @@ def small():
 @pytest.mark.parametrize("kwargs,match", [
     ({"decisions": set()}, "decisions should be a non-empty subset"),
     ({"decisions": {"keep", "fly"}}, "decisions should be a non-empty subset"),
-    ({"decisions": {"offload"}}, "needs a host_bandwidth"),
+    ({"decisions": {"offload"}}, "needs a host link.s bandwidth"),
     ({"host_bandwidth": -1.0}, "host_bandwidth should be a positive number"),
     ({"host_bandwidth": True}, "host_bandwidth should be a positive number"),
     ({"solver": "annealing"}, "unknown solver"),

@@ -1,6 +1,7 @@
 """Offload on CPU: the same code path as on CUDA with plain copies. Host and device memory are one here, so these
 tests check values, release and reuse, not the budget (that is the GPU check's job)."""
 
+import contextlib
 import copy
 import gc
 import weakref
@@ -119,6 +120,43 @@ def test_offload_needs_a_bandwidth_on_cpu(case):
         libra.plan(case.profile, case.profile.budget_for_share(0.5), decisions={"offload"})
     plan = libra.plan(case.profile, case.profile.budget_for_share(0.5))
     assert plan.counts[libra.Decision.OFFLOAD] == 0
+
+
+def test_a_cuda_profile_plans_without_cuda(case):
+    """The planner is pure: the host link's bandwidth comes from the profile (the profiler measures it on CUDA),
+    so a profile made on a GPU machine plans here, with offloading, and the same as with the bandwidth passed."""
+    prof = _steady(case)
+    prof.device = "cuda:0"
+    prof.host_bandwidth = FAST
+    with _no_cuda_calls():
+        budget = max(prof.budget_for_share(0.5), Planning(prof, decisions={"keep", "offload"}).min_budget_bytes())
+        from_profile = libra.plan(prof, budget, decisions={"keep", "offload"})
+    assert from_profile.counts[libra.Decision.OFFLOAD] > 0
+    given = libra.plan(prof, budget, decisions={"keep", "offload"}, host_bandwidth=FAST)
+    assert (from_profile.regions, from_profile.predicted_step_seconds) == (given.regions, given.predicted_step_seconds)
+    prof.host_bandwidth = 0.0  # an older profile, or one from a device with no host link measured
+    with pytest.raises(libra.LibraError, match="host_bandwidth=") as e:
+        libra.plan(prof, budget, decisions={"offload"})
+    assert "cuda:0" in str(e.value)
+
+
+@contextlib.contextmanager
+def _no_cuda_calls():
+    """Fails the test on any call into torch.cuda's device functions (there is no device here to answer them)."""
+    names = ("synchronize", "current_device", "get_device_properties", "mem_get_info", "Stream", "Event",
+             "is_available", "device_count", "_lazy_init")
+    saved = {n: getattr(torch.cuda, n) for n in names if hasattr(torch.cuda, n)}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the planner called into torch.cuda")
+
+    for n in saved:
+        setattr(torch.cuda, n, refuse)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.cuda, n, f)
 
 
 # ---- hooked regions (NOTE [Hooked regions] in planner/simulate.py) ------------------------------------------------
@@ -432,3 +470,24 @@ def test_hooked_plan_peak_is_predicted(case, monkeypatch):
     measured = meter.peak_bytes - meter.start_bytes
     predicted = plan.predicted_peak_bytes - case.profile.static_bytes
     assert abs(measured - predicted) <= 0.05 * plan.predicted_peak_bytes, (measured, predicted)
+
+
+def test_inputs_planned_anew_are_planned_as_the_plan_was():
+    """A step with new input shapes is profiled and planned under ``on_over_budget="warn"`` with the decisions and
+    the host link the plan was made with (an offload-only plan stays offload-only)."""
+    from libra.testing import models
+
+    model, x, y, loss_fn = models.make_mlp(batch=512, d=64, hidden=256, depth=4)
+    prof = libra.profile(model, lambda: loss_fn(model(x), y).backward())
+    model.zero_grad(set_to_none=True)
+    planning = Planning(prof, FAST, {"keep", "offload"})
+    plan = libra.plan(planning, max(prof.budget_for_share(0.7), planning.min_budget_bytes()))
+    assert plan.counts[libra.Decision.OFFLOAD] > 0 and plan.counts[libra.Decision.RECOMPUTE] == 0
+    x2, y2 = x[:384], y[:384]
+    for _ in range(2):  # profiled in the first, under its own plan in the second
+        with libra.apply(model, plan, on_over_budget="warn"):
+            loss_fn(model(x2), y2).backward()
+        model.zero_grad(set_to_none=True)
+    (other,) = plan.__dict__["_libra_variants"].plans.values()
+    assert other.allowed == ["keep", "offload"] and other.host_bandwidth == FAST
+    assert other.counts[libra.Decision.RECOMPUTE] == 0

@@ -27,6 +27,20 @@ def test_round_trip(saved):
     assert loaded == plan
     assert json.loads(path.read_text())["schema_version"] == 1
     assert loaded.regions and loaded.counts[libra.Decision.RECOMPUTE] > 0
+    # how it was made: what re-planning for new inputs repeats (a CPU profile measures no host link)
+    assert loaded.allowed == ["keep", "offload", "recompute"] and loaded.host_bandwidth == 0.0
+    assert loaded.provenance == {"memory": "step", "op_seconds": "step", "host_bandwidth": "none"}
+
+
+def test_a_plan_records_a_given_host_link(saved):
+    plan, path, model = saved
+    x = torch.randn(2048, 64)
+    prof = libra.profile(model, lambda: model(x).sum().backward())
+    model.zero_grad(set_to_none=True)
+    offloading = libra.plan(prof, prof.budget_for_share(0.9), decisions={"keep", "offload"}, host_bandwidth=5e9)
+    assert offloading.allowed == ["keep", "offload"] and offloading.host_bandwidth == 5e9
+    assert offloading.provenance["host_bandwidth"] == "given"
+    assert "host link       5.0 GB/s (given)" in offloading.explain()
 
 
 def test_round_trip_of_a_hooked_plan(tmp_path):
@@ -64,6 +78,9 @@ def _edit(path, tmp_path, fn):
         (lambda d: d["decisions"].update({"x:y#0": "teleport"}), "teleport"),
         (lambda d: d.update(predicted_step_seconds="fast"), "should be float"),
         (lambda d: d["regions"][0].update(stay=[0], hooked=False), "not hooked"),
+        (lambda d: d.update(allowed=["keep", "teleport"]), "allowed should list decisions"),
+        (lambda d: d.update(host_bandwidth=-1.0), "negative"),
+        (lambda d: d.update(provenance={"memory": 3}), "provenance should map"),
     ],
 )
 def test_hand_edited_plans_are_refused(saved, tmp_path, edit, message):
@@ -104,5 +121,6 @@ def test_explain_reads_like_a_report(saved):
     text = plan.explain()
     assert "predicted peak" in text and "checkpointed modules" in text and "blocks.0" in text
     assert format_bytes(plan.predicted_peak_bytes) in text and format_bytes(plan.budget_bytes) in text
+    assert "memory from one real step; op times timed in the step" in text
     for region in plan.regions:
         assert region.module in text

@@ -36,19 +36,16 @@ _DECISIONS = frozenset({"keep", "recompute", "offload"})
 
 
 def _host_bandwidth(profile: Profile, host_bandwidth: float | None) -> float | None:
-    """Bytes per second to and from host memory: the argument, else measured once on CUDA, else None (on CPU
-    there is no separate host memory: offloading is modelled only when a bandwidth is given)."""
+    """Bytes per second to and from host memory: the argument, else the profile's (measured by the profiler on
+    CUDA), else None (on CPU there is no separate host memory: offloading is modelled only when a bandwidth is
+    given). Never a device call: a CUDA profile plans on a machine without CUDA."""
     if host_bandwidth is not None:
         if isinstance(host_bandwidth, bool) or not isinstance(host_bandwidth, (int, float)) or host_bandwidth <= 0:
             raise LibraError(
                 f"libra.plan: host_bandwidth should be a positive number of bytes per second, got {host_bandwidth!r}."
             )
         return float(host_bandwidth)
-    if profile.device.startswith("cuda"):
-        from libra.runtime.offload import measured_host_bandwidth
-
-        return measured_host_bandwidth(profile.device)
-    return None
+    return profile.host_bandwidth or None
 
 
 class Selection:
@@ -164,8 +161,8 @@ class Planning:
             kinds.remove(greedy.OFFLOAD)
         if not kinds and "keep" not in chosen:
             raise LibraError(
-                "libra.plan: decisions={'offload'} needs a host_bandwidth on a device without one measured (CPU). "
-                "Fix: pass host_bandwidth=... in bytes per second."
+                f"libra.plan: decisions={{'offload'}} needs a host link's bandwidth, and the profile has none measured "
+                f"(its device is {profile.device}). Fix: pass host_bandwidth=... in bytes per second."
             )
         self.kinds = tuple(kinds)
         self.selections: list[Selection] = []
@@ -391,7 +388,21 @@ class Planning:
             planner_seconds=seconds,
             input_signature=list(prof.input_signature),
             refused=self.refusals(sel),
+            allowed=sorted(self.decisions),
+            host_bandwidth=self.host_bandwidth or 0.0,
+            provenance=self.provenance(),
         )
+
+    def provenance(self) -> dict[str, str]:
+        """``Plan.provenance``: the profile's, with whether the host link's bandwidth was given or measured."""
+        out = {k: str(v) for k, v in self.profile.provenance.items()}
+        if self.host_bandwidth is None:
+            out["host_bandwidth"] = "none"
+        elif self.host_bandwidth != self.profile.host_bandwidth:
+            out["host_bandwidth"] = "given"
+        else:
+            out["host_bandwidth"] = "measured"
+        return out
 
     def split(self, state: State, t: int, selection: Selection | None = None) -> dict[str, int]:
         """What is live at op ``t`` under ``state``, by kind: parameters, gradients, buffers, other static tensors
@@ -500,9 +511,10 @@ def plan(
             or a string such as ``"6GiB"`` or ``"800MB"``. Never a fraction.
         solver: ``"greedy"`` (fast, the default) or ``"milp"`` (exact reference over the same model, SciPy's HiGHS;
             for small and medium profiles).
-        host_bandwidth: bytes per second between device and host memory, each way. Default: measured once per
-            CUDA device (pinned copies); on CPU, where host and device memory are one, offloading is planned only
-            when a bandwidth is given (to test and compare the mechanism).
+        host_bandwidth: bytes per second between device and host memory, each way. Default: the profile's
+            ``host_bandwidth``, which the profiler measures on a CUDA device (pinned copies, the slower direction);
+            on CPU, where host and device memory are one, offloading is planned only when a bandwidth is given (to
+            test and compare the mechanism).
         decisions: the decisions allowed, a non-empty subset of ``{"keep", "recompute", "offload"}`` (default: all
             three). Without ``"keep"``, every candidate activation is evicted.
         time_limit: seconds the ``"milp"`` solver may take.

@@ -36,6 +36,15 @@ def explain_plan(plan: Plan) -> str:
             lines.append(f"    {name:<32} {len(r.save):>4} / {replayed:<4} / {len(r.skip):<4}{how}")
         recomputed = [k for k, d in plan.decisions.items() if d is Decision.RECOMPUTE]
         lines.append("  recomputed activations: " + ", ".join(recomputed[:8]) + (" ..." if len(recomputed) > 8 else ""))
+    if plan.provenance:
+        p = plan.provenance
+        memory = {"fake": "fake tensors (no eager step)", "step": "one real step"}.get(p.get("memory"), "?")
+        times = {"benchmark": "each op timed alone (an estimate)", "step": "timed in the step"}.get(
+            p.get("op_seconds"), "?")
+        lines.append(f"  profile         memory from {memory}; op times {times}")
+        link = p.get("host_bandwidth", "none")
+        if link != "none":
+            lines.append(f"  host link       {plan.host_bandwidth / 1e9:.1f} GB/s ({link})")
     if plan.refused:
         lines.append(f"  left out ({len(plan.refused)}): module calls Libra cannot recompute or offload")
         for module, call, reason in plan.refused:

@@ -29,14 +29,18 @@ _PLAN_FIELDS = {
     "planner_seconds": float,
     "input_signature": list,
     "refused": list,
+    "allowed": list,
+    "host_bandwidth": float,
+    "provenance": dict,
 }
 # added after schema 1 was first written; absent means "not recorded"
-_OPTIONAL = {"input_signature", "skip", "plain", "hooked", "stay", "offload_inputs", "refused", "plain_ok"}
+_OPTIONAL = {"input_signature", "skip", "plain", "hooked", "stay", "offload_inputs", "refused", "plain_ok", "allowed",
+             "host_bandwidth", "provenance"}
 _REGION_FIELDS = {"module": str, "call": int, "ops": list, "save": list, "offload": list, "protect": dict,
                   "input_shapes": list, "skip": list, "plain": bool, "hooked": bool, "stay": list,
                   "offload_inputs": bool, "plain_ok": bool}
 _NON_NEGATIVE = {"budget_bytes", "predicted_peak_bytes", "eager_peak_bytes", "static_bytes", "predicted_step_seconds",
-                 "eager_step_seconds", "planner_seconds"}
+                 "eager_step_seconds", "planner_seconds", "host_bandwidth"}
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -75,6 +79,9 @@ def plan_to_dict(plan: Plan) -> dict:
         "planner_seconds": plan.planner_seconds,
         "input_signature": list(plan.input_signature),
         "refused": [[m, c, r] for m, c, r in plan.refused],
+        "allowed": list(plan.allowed),
+        "host_bandwidth": plan.host_bandwidth,
+        "provenance": dict(plan.provenance),
     }
 
 
@@ -180,10 +187,18 @@ def plan_from_dict(data: dict, path="<dict>") -> Plan:
     if not all(isinstance(x, list) and len(x) == 3 and isinstance(x[0], str) and isinstance(x[1], int)
                and isinstance(x[2], str) for x in refused):
         raise _fail(path, f"refused should be a list of [module, call, reason], found {refused!r}")
-    skip = ("decisions", "regions", "parameters", "input_signature", "refused")
-    fields = {k: data[k] for k in _PLAN_FIELDS if k not in skip}
+    allowed = data.get("allowed", [])
+    if not all(x in ("keep", "recompute", "offload") for x in allowed):
+        raise _fail(path, f"allowed should list decisions (keep, recompute, offload), found {allowed!r}")
+    provenance = data.get("provenance", {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in provenance.items()):
+        raise _fail(path, f"provenance should map strings to strings, found {provenance!r}")
+    skip = ("decisions", "regions", "parameters", "input_signature", "refused", "allowed", "provenance")
+    fields = {k: data[k] for k in _PLAN_FIELDS if k not in skip and k in data}
     fields["input_signature"] = list(signature)
     fields["refused"] = [list(x) for x in refused]
+    fields["allowed"] = list(allowed)
+    fields["provenance"] = dict(provenance)
     return Plan(decisions=decisions, regions=regions, parameters=parameters, **fields)
 
 

@@ -121,10 +121,10 @@ def memory_timeline(profile: Profile, plan: Plan, *, host_bandwidth: float | Non
             f"{profile.static_bytes} bytes on {profile.device}. {_FIX}"
         )
     offloads = any(r.offload or r.hooked for r in plan.regions)
-    if offloads and host_bandwidth is None and not profile.device.startswith("cuda"):
+    if offloads and host_bandwidth is None and not profile.host_bandwidth:
         raise LibraError(
-            f"libra.memory_timeline: the plan offloads activations on {profile.device}, where no host link is "
-            "measured, and no host_bandwidth was given. Fix: pass host_bandwidth=... (bytes per second), the value "
+            f"libra.memory_timeline: the plan offloads activations, but the profile has no host link measured (its "
+            f"device is {profile.device}) and no host_bandwidth was given. Fix: pass host_bandwidth=... (bytes per second), the value "
             "the plan was made with."
         )
     bandwidth = None

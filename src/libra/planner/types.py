@@ -79,6 +79,13 @@ class Plan:
             ``libra.apply`` runs steps with other inputs under plans of their own.
         refused: ``[module, call, reason]`` of every module call the planner could not recompute or offload, and
             why (a key/value cache, an input changed in place, a collective, ...); shown by :meth:`explain`.
+        allowed: the decisions the planner was allowed (``libra.plan``'s ``decisions``), sorted; empty: not
+            recorded (an older plan file). A step ``libra.apply`` plans anew is planned with the same.
+        host_bandwidth: the host link's bytes per second the plan was made with; 0.0: none (offloading was not
+            modelled).
+        provenance: where the profile's figures came from (``Profile.provenance``): ``"memory"``: ``"step"`` or
+            ``"fake"``; ``"op_seconds"``: ``"step"`` or ``"benchmark"``; ``"host_bandwidth"``: ``"measured"``,
+            ``"given"`` or ``"none"``. Shown by :meth:`explain`.
     """
 
     budget_bytes: int
@@ -98,6 +105,9 @@ class Plan:
     input_signature: list[str] = field(default_factory=list)
     # module calls the planner left out, and why: [module, call, reason] (calls that save nothing are not listed)
     refused: list[list] = field(default_factory=list)
+    allowed: list[str] = field(default_factory=list)
+    host_bandwidth: float = 0.0
+    provenance: dict = field(default_factory=dict)
     schema_version: int = PLAN_SCHEMA_VERSION
 
     @property

@@ -14,6 +14,7 @@ from libra._ops import storage_key
 from libra.errors import LibraError
 from libra.profiler._stacks import insert_hooks_under, insert_mode_under, remove_hooks, remove_mode
 from libra.profiler.fake import FakeStep, benchmark_ops
+from libra.profiler.link import host_link_bandwidth
 from libra.profiler.recorder import ModuleProbes, Recorder, dispatch_overhead_seconds, static_tensors
 from libra.profiler.types import ModuleCall, OpRecord, PackRecord, Profile, StorageRecord
 from libra.units import format_bytes
@@ -333,6 +334,7 @@ class StepRecording:
         op_seconds = sum(o.seconds for o in ops)
         costs = self._region_costs(ops, recorder.storages)
         copy_cost = self._copy_cost(ops, recorder.storages)
+        bandwidth = host_link_bandwidth(self.device)  # on the real device, outside any fake mode
         eager_seconds = max(
             self._wall_ns / 1e9 - recorder.bookkeeping_ns / 1e9 - self.overhead * len(ops), op_seconds
         )
@@ -355,8 +357,10 @@ class StepRecording:
             allocator_peak_bytes=allocator_peak,
             rng_state_bytes=torch.get_rng_state().nbytes if self.device.type == "cpu" else 0,
             static_names=self.static_names,
+            host_bandwidth=bandwidth,
             provenance={"memory": "fake" if self.fake is not None else "step",
-                        "op_seconds": "benchmark" if self.fake is not None else "step"},
+                        "op_seconds": "benchmark" if self.fake is not None else "step",
+                        "host_bandwidth": "measured" if bandwidth else "none"},
         )
         log.info(
             "profiled one step: %d ops, %d saved tensors, eager peak %s (static %s), %.1f ms",

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 __all__ = ["OpRecord", "StorageRecord", "PackRecord", "ModuleCall", "Profile", "PROFILE_SCHEMA_VERSION"]
 
-PROFILE_SCHEMA_VERSION = 2  # 2: per-op transient bytes and the allocator's own peak (NOTE [Allocator truth])
+PROFILE_SCHEMA_VERSION = 3  # 2: per-op transient bytes and the allocator's own peak (NOTE [Allocator truth]);
+# 3: the host link's bandwidth, measured by the profiler
 
 
 @dataclass
@@ -117,6 +118,9 @@ class Profile:
     # [storage id, name] of the model's static tensors: "blocks.0.fc1.weight", "gradient of blocks.0.fc1.weight",
     # "buffer bn.running_mean" (what error messages name at a peak)
     static_names: list = field(default_factory=list)
+    # bytes per second of the device's host link, its slower direction (profiler/link.py); 0.0: none measured (a
+    # CPU device, whose host memory is its own memory). The planner models offloading with it unless given another.
+    host_bandwidth: float = 0.0
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     @property

@@ -316,13 +316,15 @@ class _Session:
         if not recording.released:
             self.lingering.append(recording)
         budget = self.base.budget_bytes
-        solver = self.base.solver if self.base.solver in ("greedy", "milp") else "greedy"
+        # planned as the base plan was: its solver, its decisions and its host link (older plans: the defaults)
+        how = {"solver": self.base.solver if self.base.solver in ("greedy", "milp") else "greedy",
+               "decisions": self.base.allowed or None, "host_bandwidth": self.base.host_bandwidth or None}
         try:
-            plan = make_plan(prof, budget, solver=solver)
+            plan = make_plan(prof, budget, **how)
         except BudgetInfeasibleError as e:
             log.warning("libra: with inputs %s no plan fits the budget %s; using the smallest peak the planner "
                         "reaches, %s.", list(signature), format_bytes(budget), format_bytes(e.min_budget_bytes))
-            plan = make_plan(prof, e.min_budget_bytes, solver=solver)
+            plan = make_plan(prof, e.min_budget_bytes, **how)
         plans = self.variants.plans
         plans[signature] = plan
         while len(plans) > self.max_plans:

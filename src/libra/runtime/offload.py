@@ -13,7 +13,7 @@ import time
 
 import torch
 
-__all__ = ["HostPool", "HostCopy", "measured_host_bandwidth"]
+__all__ = ["HostPool", "HostCopy"]
 
 
 class HostPool:
@@ -87,25 +87,3 @@ class HostCopy:
                 self.event.synchronize()
             self.pool.release(self.buffer)
             self.buffer = None
-
-
-_BANDWIDTH: dict[str, float] = {}
-
-
-def measured_host_bandwidth(device: str) -> float:
-    """Pinned host<->device copy bandwidth in bytes per second (the slower direction), measured once per device."""
-    if device not in _BANDWIDTH:
-        dev = torch.device(device)
-        n = 64 * 2**20
-        src = torch.empty(n, dtype=torch.uint8, device=dev)
-        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        best = float("inf")
-        for _ in range(3):
-            torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            host.copy_(src, non_blocking=True)
-            src.copy_(host, non_blocking=True)
-            torch.cuda.synchronize(dev)
-            best = min(best, (time.perf_counter() - t0) / 2)
-        _BANDWIDTH[device] = n / best
-    return _BANDWIDTH[device]
