@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from libra.testing.meter import AllocatorMeter, LiveBytesMeter
+from libra.testing.meter import AllocatorMeter, LiveBytesMeter, MemoryCap
 
-__all__ = ["AllocatorMeter", "LiveBytesMeter", "assert_grads_equal", "fixed_times"]
+__all__ = ["AllocatorMeter", "LiveBytesMeter", "MemoryCap", "assert_grads_equal", "fixed_times"]
 
 
 def assert_grads_equal(expected: torch.nn.Module, actual: torch.nn.Module) -> None:

@@ -3,7 +3,8 @@
 :class:`AllocatorMeter` counts what the allocator hands out, kernels' workspaces and temporaries included: the meter
 every budget check uses. :class:`LiveBytesMeter` watches tensor storages come and go, a second opinion that sees only
 what ops return (it agrees with the planner's bookkeeping by construction, so it cannot catch what the planner
-misses; enter it *outside* ``libra.apply``, so that it sees every op that really runs).
+misses; enter it *outside* ``libra.apply``, so that it sees every op that really runs). :class:`MemoryCap` makes a
+device with less memory for tests: past its cap an op raises ``torch.OutOfMemoryError``.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import gc
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from libra._allocator import TAP, peak_above_start
 from libra.errors import LibraError
 
-__all__ = ["AllocatorMeter", "LiveBytesMeter"]
+__all__ = ["AllocatorMeter", "LiveBytesMeter", "MemoryCap"]
 
 
 def _key(t: torch.Tensor):
@@ -152,6 +154,7 @@ class LiveBytesMeter(TorchDispatchMode):
         self.current_bytes -= self.live.pop(key, 0)
 
     def __enter__(self):
+        self.live, self.current_bytes = {}, 0  # a meter entered again starts afresh
         gc.collect()  # garbage in reference cycles would otherwise count as live, then vanish mid-step
         tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
         for t in self.extra:
@@ -178,3 +181,54 @@ class LiveBytesMeter(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._track(t)
         return out
+
+
+class MemoryCap(LiveBytesMeter):
+    """A device with less memory, for tests: an op whose outputs take the live tensor bytes on ``device`` past
+    ``limit_bytes`` raises ``torch.OutOfMemoryError``, as a CUDA allocator out of memory would, so a test can show an
+    eager step failing where a plan made from a fake profile trains.
+
+    On CUDA the allocator itself is capped (``torch.cuda.set_per_process_memory_fraction``, restored on exit), so
+    every byte counts, kernels' workspaces included. On CPU the cap counts what :class:`LiveBytesMeter` counts: the
+    storages live when the block starts and those ops return (fake tensors excluded), not the temporaries kernels
+    take inside an op, and it raises once the op has returned. Enter it outside ``libra.apply``, like the meter.
+
+    Attributes:
+        limit_bytes: the cap. ``peak_bytes``: the most live at once inside the block (as :class:`LiveBytesMeter`).
+
+    Example:
+        >>> with MemoryCap(200 * 2**20, extra=model.parameters()):
+        ...     step()  # raises torch.OutOfMemoryError if the step needs more than 200 MiB
+    """
+
+    def __init__(self, limit_bytes: int, device: str | torch.device = "cpu", extra=()) -> None:
+        super().__init__(device, extra)
+        if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes <= 0:
+            raise LibraError(f"libra.testing.MemoryCap: expected a positive int of bytes, got {limit_bytes!r}.")
+        self.limit_bytes = limit_bytes
+        self._fraction: float | None = None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", index)
+            total = torch.cuda.get_device_properties(index).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.limit_bytes / total), index)
+            self._fraction = 1.0  # what to restore: torch has no getter for the fraction set
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(self._fraction, self.device)
+            self._fraction = None
+        return super().__exit__(*exc)
+
+    def _track(self, t: torch.Tensor) -> None:
+        if isinstance(t, FakeTensor):
+            return
+        super()._track(t)
+        if self.current_bytes > self.limit_bytes and self.device.type != "cuda":
+            raise torch.OutOfMemoryError(
+                f"libra.testing.MemoryCap: {self.current_bytes} bytes live on {self.device}, past the cap of "
+                f"{self.limit_bytes} bytes (a tensor of {t.untyped_storage().nbytes()} bytes was the last)."
+            )
