@@ -120,18 +120,17 @@ def memory_timeline(profile: Profile, plan: Plan, *, host_bandwidth: float | Non
             f"static {plan.static_bytes} bytes on {plan.device}; this profile has {profile.eager_peak_bytes} and "
             f"{profile.static_bytes} bytes on {profile.device}. {_FIX}"
         )
-    offloads = any(r.offload or r.hooked for r in plan.regions)
-    if offloads and host_bandwidth is None and not profile.host_bandwidth:
-        raise LibraError(
-            f"libra.memory_timeline: the plan offloads activations, but the profile has no host link measured (its "
-            f"device is {profile.device}) and no host_bandwidth was given. Fix: pass host_bandwidth=... (bytes per second), the value "
-            "the plan was made with."
-        )
     bandwidth = None
-    if offloads:
+    if any(r.offload or r.hooked for r in plan.regions):
         from libra.planner import _host_bandwidth
 
         bandwidth = _host_bandwidth(profile, host_bandwidth)
+        if bandwidth is None:
+            raise LibraError(
+                "libra.memory_timeline: the plan offloads activations, but the profile has no host link measured "
+                f"(its device is {profile.device}) and no host_bandwidth was given. Fix: pass host_bandwidth=... "
+                "(bytes per second), the value the plan was made with."
+            )
     # the plan was made over one of the region selections (NOTE [Region granularity]): the first that has all of
     # its regions (a unit in two selections is the same unit, so which one maps it makes no difference)
     error = None

@@ -9,8 +9,6 @@ current stream wait on its event. On CPU the same code runs with plain synchrono
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 __all__ = ["HostPool", "HostCopy"]

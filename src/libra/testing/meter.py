@@ -206,7 +206,7 @@ class MemoryCap(LiveBytesMeter):
         if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes <= 0:
             raise LibraError(f"libra.testing.MemoryCap: expected a positive int of bytes, got {limit_bytes!r}.")
         self.limit_bytes = limit_bytes
-        self._fraction: float | None = None
+        self._capped = False  # the CUDA allocator's fraction is set (torch has no getter: exit sets it back to 1.0)
 
     def __enter__(self):
         if self.device.type == "cuda":
@@ -214,13 +214,13 @@ class MemoryCap(LiveBytesMeter):
             self.device = torch.device("cuda", index)
             total = torch.cuda.get_device_properties(index).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.limit_bytes / total), index)
-            self._fraction = 1.0  # what to restore: torch has no getter for the fraction set
+            self._capped = True
         return super().__enter__()
 
     def __exit__(self, *exc):
-        if self._fraction is not None:
-            torch.cuda.set_per_process_memory_fraction(self._fraction, self.device)
-            self._fraction = None
+        if self._capped:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            self._capped = False
         return super().__exit__(*exc)
 
     def _track(self, t: torch.Tensor) -> None:
