@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,bench,hf,plot]'
+	$(PY) -m pip install --quiet -e '.[test,bench,hf,lightning,plot]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -48,3 +48,13 @@ def test_library_never_prints(capsys):
         loss_fn(model(x), y).backward()
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == ""
+
+
+def test_integrations_snapshot_and_import_nothing_until_asked():
+    code = ("import sys, libra, libra.integrations; "
+            "print(sorted(m for m in ('transformers', 'lightning', 'accelerate') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    from libra.integrations import lightning, transformers
+
+    assert transformers.__all__ == ["LibraCallback"] and lightning.__all__ == ["LibraCallback"]

@@ -230,9 +230,8 @@ class _Session:
             self.variants.noted.add(key)
             log.log(level, message, *args)
 
-    def _root_pre_hook(self, module, args, kwargs):
-        if not torch.is_grad_enabled():
-            return
+    def begin_step(self) -> None:
+        """A new step starts: module calls are counted from zero again (see :func:`begin_step`)."""
         self.counts = {}
         self._static = self._buffers = None
         if self.offload is not None:
@@ -240,6 +239,11 @@ class _Session:
         if self.recording is not None:
             self._finish_recording()
         self.lingering = [r for r in self.lingering if not r.release()]
+
+    def _root_pre_hook(self, module, args, kwargs):
+        if not torch.is_grad_enabled():
+            return
+        self.begin_step()
         if not self.base.input_signature:
             return
         signature = tuple(input_signature(args, kwargs))
@@ -404,6 +408,18 @@ class _Session:
         self._handles.clear()
         self._swaps.restore()
         self.model.__dict__.pop(_ACTIVE_ATTR, None)
+
+
+def begin_step(model: torch.nn.Module) -> None:
+    """Tells the plan applied to ``model`` that a training step starts.
+
+    A step starts when the root module is called with gradients on; a caller whose step may call only submodules
+    (a LightningModule's ``training_step`` calling ``self.backbone(x)``) calls this before each step, so that module
+    calls are matched to the plan's from the first again. Does nothing when no plan is applied.
+    """
+    session = model.__dict__.get(_ACTIVE_ATTR)
+    if isinstance(session, _Session):
+        session.begin_step()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,187 @@
+"""Plans for a training step that a trainer runs, made before each new kind of step runs (NOTE [Trainer steps]).
+
+NOTE [Trainer steps]: a trainer calls one training step (forward and backward of one micro-batch) again and again;
+what changes between calls is the input signature (a batch padded to another length) and the static memory: after
+the first optimizer step the optimizer holds its state, and with gradient accumulation every micro-batch after the
+first starts with the gradients of the ones before. Before a step with a new input signature runs, the callback
+profiles it on fake tensors (NOTE [Fake profiles] in profiler/fake.py: no eager memory, nothing trained, the RNG
+untouched), so the step itself already runs under a plan. For static memory that grew since the profile (gradients
+and optimizer state held on the model's device), the same profile is planned again under the budget less the
+growth: each op of the step then holds at most that much more than in the profiled step (a gradient that exists
+is accumulated in place, one that does not is allocated, so growth never lowers the curve), and planning is pure,
+so this costs no step. Plans are cached per (signature, growth): a run has a handful. A step that cannot run fake
+(a data-dependent op) is profiled for real, once per signature, with a warning: that step runs eagerly.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from libra._ops import input_signature, storage_key
+from libra.errors import BudgetInfeasibleError, LibraError
+from libra.planner import plan as make_plan
+from libra.planner.types import Decision, Plan
+from libra.profiler import profile
+from libra.profiler.types import Profile
+from libra.units import format_bytes, parse_bytes
+
+log = logging.getLogger("libra")
+
+__all__ = ["StepPlans", "held_bytes"]
+
+
+def held_bytes(model: torch.nn.Module, optimizer, device: torch.device) -> int:
+    """Bytes of the gradients of ``model``'s parameters and of ``optimizer``'s state on ``device`` (distinct
+    storages): the static memory a training loop adds between steps."""
+    seen: dict[int, int] = {}
+
+    def add(t) -> None:
+        if isinstance(t, torch.Tensor) and t.device == device:
+            key = storage_key(t)
+            if key is not None:
+                seen.setdefault(key, t.untyped_storage().nbytes())
+
+    for p in model.parameters():
+        add(p.grad)
+    state = getattr(optimizer, "state", None)
+    if isinstance(state, dict):
+        for entry in state.values():
+            if isinstance(entry, dict):
+                for value in entry.values():
+                    add(value)
+    return sum(seen.values())
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+class _Profiled:
+    __slots__ = ("profile", "held", "plans")
+
+    def __init__(self, profile: Profile, held: int) -> None:
+        self.profile = profile
+        self.held = held  # held_bytes when it was profiled
+        self.plans: dict[int, Plan] = {}  # by growth of held_bytes since then
+
+
+class StepPlans:
+    """The plans of one training run, per input signature and static growth (NOTE [Trainer steps]).
+
+    Args:
+        budget: the peak allowed during one training step, static bytes included: bytes or a string like ``"20GiB"``.
+        fake: profile new steps on fake tensors (default); ``False`` profiles them for real (the step runs eagerly).
+        real_fallback: whether a step that cannot run fake may be profiled for real instead (it then runs only once, in
+            its profile: the caller must not run it again); without, it raises :class:`LibraError`.
+        solver: passed to :func:`libra.plan`.
+        max_signatures: profiles kept; the least recently used is dropped past it.
+        what: the name used in messages.
+    """
+
+    def __init__(self, budget, *, fake: bool = True, solver: str = "greedy", max_signatures: int = 8,
+                 what: str = "LibraCallback", real_fallback: bool = True) -> None:
+        self.what = what
+        self.budget_bytes = parse_bytes(budget, what=f"{what}: budget")
+        if solver not in ("greedy", "milp"):
+            raise LibraError(f"{what}: expected solver \"greedy\" or \"milp\", got {solver!r}.")
+        if not isinstance(max_signatures, int) or max_signatures < 1:
+            raise LibraError(f"{what}: expected max_signatures >= 1, got {max_signatures!r}.")
+        self.fake = bool(fake)
+        self.real_fallback = real_fallback
+        self.solver = solver
+        self.max_signatures = max_signatures
+        self.profiled: collections.OrderedDict[tuple[str, ...], _Profiled] = collections.OrderedDict()
+        self.steps_planned = 0
+        self.profiles_made = 0
+
+    def _key(self, model, optimizer, args, kwargs) -> tuple[tuple[str, ...], int]:
+        return tuple(input_signature(args, kwargs)), held_bytes(model, optimizer, model_device(model))
+
+    def cached(self, model: torch.nn.Module, optimizer, args, kwargs) -> Plan | None:
+        """The plan for a step whose root call gets ``args`` and ``kwargs``, if one needs no profiling."""
+        signature, held = self._key(model, optimizer, args, kwargs)
+        entry = self.profiled.get(signature)
+        if entry is None:
+            return None
+        self.profiled.move_to_end(signature)
+        growth = max(held - entry.held, 0)
+        plan = entry.plans.get(growth)
+        if plan is None:
+            plan = entry.plans[growth] = self._plan(entry.profile, growth, signature)
+        return plan
+
+    def plan_for(self, model: torch.nn.Module, optimizer, args, kwargs, run: Callable[[], object]):
+        """The plan for the step ``run()`` is about to be (its root call gets ``args`` and ``kwargs``), profiling it
+        first if its signature is new. Nothing of Libra's may be applied to ``model`` while this runs.
+
+        Returns ``(plan, None, False)``, or ``(None, result, True)`` when ``run()`` already ran while it was profiled
+        for real (its result is ``result``).
+
+        Raises:
+            BudgetInfeasibleError: no plan fits the budget for this step; raised before the step allocates anything.
+        """
+        plan = self.cached(model, optimizer, args, kwargs)
+        if plan is not None:
+            return plan, None, False
+        signature, held = self._key(model, optimizer, args, kwargs)
+        prof, result, ran = self._profile(model, run, signature)
+        self.profiled[signature] = _Profiled(prof, held)
+        while len(self.profiled) > self.max_signatures:
+            self.profiled.popitem(last=False)
+        if self.profiles_made == 4 * self.max_signatures:
+            log.warning("libra: %s: the training inputs changed shape %d times; each new shape is profiled "
+                        "before it runs. Fix: pad batches to a few lengths (e.g. pad_to_multiple_of=64 in "
+                        "the data collator).", self.what, self.profiles_made)
+        if ran:
+            return None, result, True
+        return self.cached(model, optimizer, args, kwargs), None, False
+
+    def _profile(self, model, run, signature) -> tuple[Profile, object, bool]:
+        self.profiles_made += 1
+        t0 = time.perf_counter()
+        if self.fake:
+            try:
+                prof = profile(model, run, fake=True)
+                log.info("libra: %s: profiled the training step with inputs %s on fake tensors in %.1f s",
+                         self.what, list(signature), time.perf_counter() - t0)
+                return prof, None, False
+            except LibraError as e:
+                if not self.real_fallback:
+                    raise LibraError(
+                        f"{self.what}: expected the training step to run on fake tensors, to plan it before it "
+                        f"runs, but it cannot: {e}"
+                    ) from e
+                log.warning("libra: %s: the training step cannot run on fake tensors (%s); this step runs "
+                            "eagerly, without a plan, while it is profiled (eager's memory).",
+                            self.what, str(e).splitlines()[0])
+        box = []
+        prof = profile(model, lambda: box.append(run()))
+        log.info("libra: %s: profiled the training step with inputs %s for real in %.1f s",
+                 self.what, list(signature), time.perf_counter() - t0)
+        return prof, box[0] if box else None, True
+
+    def _plan(self, prof: Profile, growth: int, signature) -> Plan:
+        try:
+            plan = make_plan(prof, max(self.budget_bytes - growth, 1), solver=self.solver)
+        except BudgetInfeasibleError as e:
+            held = f" (gradients and optimizer state added {format_bytes(growth)} since the step was profiled)" \
+                if growth else ""
+            raise BudgetInfeasibleError(
+                f"{self.what}: expected the training step with inputs {list(signature)} to fit the budget "
+                f"{format_bytes(self.budget_bytes)}, but the lowest peak Libra can plan for it is "
+                f"{format_bytes(e.min_budget_bytes + growth)}{held}. Fix: raise the budget to at least that, or "
+                f"lower the batch size (libra.max_batch finds the largest that fits). The planner said: {e}",
+                budget_bytes=self.budget_bytes, min_budget_bytes=e.min_budget_bytes + growth,
+            ) from e
+        self.steps_planned += 1
+        log.info("libra: %s: planned the training step with inputs %s: budget %s%s, predicted peak %s, "
+                 "%d recomputed / %d offloaded", self.what, list(signature), format_bytes(self.budget_bytes),
+                 f" less {format_bytes(growth)} of gradients and optimizer state" if growth else "",
+                 format_bytes(plan.predicted_peak_bytes + growth), plan.counts[Decision.RECOMPUTE],
+                 plan.counts[Decision.OFFLOAD])
+        return plan
