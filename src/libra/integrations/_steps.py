@@ -26,13 +26,14 @@ from libra._ops import input_signature, storage_key
 from libra.errors import BudgetInfeasibleError, LibraError
 from libra.planner import plan as make_plan
 from libra.planner.types import Decision, Plan
-from libra.profiler import profile
+from libra.profiler import _model_device, profile
 from libra.profiler.types import Profile
+from libra.runtime.apply import apply
 from libra.units import format_bytes, parse_bytes
 
 log = logging.getLogger("libra")
 
-__all__ = ["StepPlans", "held_bytes"]
+__all__ = ["AppliedPlan", "StepPlans", "held_bytes"]
 
 
 def held_bytes(model: torch.nn.Module, optimizer, device: torch.device) -> int:
@@ -57,8 +58,24 @@ def held_bytes(model: torch.nn.Module, optimizer, device: torch.device) -> int:
     return sum(seen.values())
 
 
-def model_device(model: torch.nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
+class AppliedPlan:
+    """The ``libra.apply`` block a trainer's steps run in, kept open while the plan stays the same."""
+
+    def __init__(self) -> None:
+        self.plan: Plan | None = None
+        self._context = None
+
+    def enter(self, model: torch.nn.Module, plan: Plan) -> None:
+        if self.plan is not plan:
+            self.leave()
+            context = apply(model, plan)
+            context.__enter__()
+            self._context, self.plan = context, plan
+
+    def leave(self) -> None:
+        context, self._context, self.plan = self._context, None, None
+        if context is not None:
+            context.__exit__(None, None, None)
 
 
 class _Profiled:
@@ -100,7 +117,7 @@ class StepPlans:
         self.profiles_made = 0
 
     def _key(self, model, optimizer, args, kwargs) -> tuple[tuple[str, ...], int]:
-        return tuple(input_signature(args, kwargs)), held_bytes(model, optimizer, model_device(model))
+        return tuple(input_signature(args, kwargs)), held_bytes(model, optimizer, _model_device(model))
 
     def cached(self, model: torch.nn.Module, optimizer, args, kwargs) -> Plan | None:
         """The plan for a step whose root call gets ``args`` and ``kwargs``, if one needs no profiling."""

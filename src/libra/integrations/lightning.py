@@ -20,8 +20,8 @@ from collections.abc import Mapping
 import lightning
 
 from libra.errors import LibraError
-from libra.integrations._steps import StepPlans
-from libra.runtime.apply import apply, begin_step
+from libra.integrations._steps import AppliedPlan, StepPlans
+from libra.runtime.apply import begin_step
 from libra.units import format_bytes
 
 __all__ = ["LibraCallback"]
@@ -61,22 +61,7 @@ class LibraCallback(lightning.pytorch.Callback):
     def __init__(self, budget, *, solver: str = "greedy") -> None:
         # a Lightning step runs inside the loop: one profiled for real would run twice, so fake only
         self.plans = StepPlans(budget, solver=solver, what="LibraCallback", real_fallback=False)
-        self._context = None  # the libra.apply block steps run in, kept open while the plan stays the same
-        self._applied = None
-        self._module = None
-
-    def _enter(self, module, plan) -> None:
-        if self._applied is not plan:
-            self._leave()
-            context = apply(module, plan)
-            context.__enter__()
-            self._context, self._applied, self._module = context, plan, module
-        begin_step(module)
-
-    def _leave(self) -> None:
-        context, self._context, self._applied, self._module = self._context, None, None, None
-        if context is not None:
-            context.__exit__(None, None, None)
+        self.applied = AppliedPlan()
 
     def _step(self, trainer, module, batch, batch_idx):
         """What the loop runs for this batch (NOTE [Lightning's step]), for a fake profile."""
@@ -111,16 +96,17 @@ class LibraCallback(lightning.pytorch.Callback):
         optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
         plan = self.plans.cached(pl_module, optimizer, (batch,), {})
         if plan is None:
-            self._leave()  # nothing of Libra's on the module while it is profiled
+            self.applied.leave()  # nothing of Libra's on the module while it is profiled
             plan, _, _ = self.plans.plan_for(pl_module, optimizer, (batch,), {},
                                              self._step(trainer, pl_module, batch, batch_idx))
-        self._enter(pl_module, plan)
+        self.applied.enter(pl_module, plan)
+        begin_step(pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self._leave()
+        self.applied.leave()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        self._leave()
+        self.applied.leave()
 
     def teardown(self, trainer, pl_module, stage) -> None:
-        self._leave()
+        self.applied.leave()

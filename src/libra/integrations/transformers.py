@@ -19,8 +19,7 @@ import sys
 import transformers
 
 from libra.errors import LibraError
-from libra.integrations._steps import StepPlans
-from libra.runtime import apply
+from libra.integrations._steps import AppliedPlan, StepPlans
 from libra.units import format_bytes
 
 __all__ = ["LibraCallback"]
@@ -69,8 +68,7 @@ class LibraCallback(transformers.TrainerCallback):
         self.plans = StepPlans(budget, fake=fake, solver=solver, what="LibraCallback")
         self.trainer: transformers.Trainer | None = None
         self._training = False
-        self._context = None  # the libra.apply block steps run in, kept open while the plan stays the same
-        self._applied = None
+        self.applied = AppliedPlan()
 
     # ---- finding and wrapping the trainer (NOTE [The Trainer's step]) --------------------------------------------
     def _attach(self) -> None:
@@ -121,17 +119,16 @@ class LibraCallback(transformers.TrainerCallback):
                 return original(model, inputs, num_items_in_batch)
             try:
                 plan = self.plans.cached(model, trainer.optimizer, (), inputs)
-                if plan is None or plan is not self._applied:
-                    self._leave()
                 if plan is None:
+                    self.applied.leave()  # nothing of Libra's on the model while it is profiled
                     plan, result, ran = self.plans.plan_for(
                         model, trainer.optimizer, (), inputs, lambda: original(model, inputs, num_items_in_batch))
                     if ran:
                         return result
-                self._enter(model, plan)
+                self.applied.enter(model, plan)
                 return original(model, inputs, num_items_in_batch)
             except BaseException:
-                self._leave()
+                self.applied.leave()
                 raise
 
         training_step._libra = True
@@ -139,22 +136,10 @@ class LibraCallback(transformers.TrainerCallback):
         self._step_was_own = "training_step" in vars(trainer)
         trainer.training_step = training_step
 
-    def _enter(self, model, plan) -> None:
-        if self._applied is plan:
-            return
-        context = apply(model, plan)
-        context.__enter__()
-        self._context, self._applied = context, plan
-
-    def _leave(self) -> None:
-        context, self._context, self._applied = self._context, None, None
-        if context is not None:
-            context.__exit__(None, None, None)
-
     def _detach(self) -> None:
         """Puts the trainer and the model back as they were (idempotent)."""
         self._training = False
-        self._leave()
+        self.applied.leave()
         trainer = self.trainer
         if trainer is None:
             return
