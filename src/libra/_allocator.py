@@ -17,11 +17,19 @@ Kineto prints two lines to stderr for every session it starts and stops; the tap
 ``KINETO_LOG_LEVEL``, which kineto reads once, when its first session starts (the variable is restored right after).
 If another profiler is running when a user attaches (the user's own ``torch.profiler.profile``), the tap stays off
 and says so: ``attach`` returns None.
+
+NOTE [What the allocator holds]: the CPU allocator keeps no count of what it holds, and the tensors gc can reach are
+not all of it: a gradient autograd made has no Python object until it is first read, DDP's reducer holds its buckets
+in C++ only. A user that attaches with the bytes held at that moment (``AllocatorMeter`` does) anchors the tap: from
+then on, what is held is that figure plus every event since (``held_bytes``), every byte the allocator hands out
+included. The profiler and the meter start from it where one is anchored (the oldest anchor, which has seen the
+most), so a profile and a measurement made under one meter count the same live set (DESIGN.md, pitfall 15).
 """
 
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import os
 import threading
@@ -43,10 +51,13 @@ def _other_profiler_running() -> bool:
 class _Attachment:
     """One user's window on the tap: the memory events and markers since it attached."""
 
-    def __init__(self, tap: "AllocatorTap", mem_start: int, marker_start: int) -> None:
+    def __init__(self, tap: "AllocatorTap", mem_start: int, marker_start: int, start_bytes: int | None = None,
+                 base_sum: int = 0) -> None:
         self.tap = tap
         self.mem_start = mem_start
         self.marker_start = marker_start
+        self.start_bytes = start_bytes  # held when it attached, if known (NOTE [What the allocator holds])
+        self.base_sum = base_sum  # the tap's running sum of events when it attached
         self.memory: list[tuple[int, int]] = []  # (time ns, signed bytes), filled by detach
         self.markers: list[tuple[int, int]] = []  # (start ns, end ns) of MARKER ranges, sorted by start
         self.ends: list[int] = []  # start ns of END_MARKER ranges
@@ -62,13 +73,15 @@ class AllocatorTap:
         self._memory: list[tuple[int, int]] = []
         self._markers: list[tuple[int, int]] = []
         self._ends: list[int] = []
+        self._sum = 0  # running sum of the signed bytes of every event in the current run of sessions
 
     @property
     def active(self) -> bool:
         return self._session is not None
 
-    def attach(self) -> _Attachment | None:
-        """Starts seeing allocations; None when another profiler is running (then nothing is seen)."""
+    def attach(self, start_bytes: int | None = None) -> _Attachment | None:
+        """Starts seeing allocations; None when another profiler is running (then nothing is seen). ``start_bytes``:
+        what the allocator holds now, if the caller knows (it anchors :meth:`held_bytes`)."""
         with self._lock:
             if self._session is None and _other_profiler_running():
                 log.warning(
@@ -77,9 +90,19 @@ class AllocatorTap:
                 )
                 return None
             self._flush(restart=True)
-            att = _Attachment(self, len(self._memory), len(self._markers))
+            att = _Attachment(self, len(self._memory), len(self._markers), start_bytes, self._sum)
             self._users.append(att)
             return att
+
+    def held_bytes(self) -> int | None:
+        """What the CPU allocator holds now, counted from the oldest attached user that knew what it held when it
+        attached (NOTE [What the allocator holds]); None where no such user is attached."""
+        with self._lock:
+            anchor = next((u for u in self._users if u.start_bytes is not None), None)
+            if anchor is None:
+                return None
+            self._flush(restart=True)
+            return anchor.start_bytes + self._sum - anchor.base_sum
 
     def read(self, att: _Attachment) -> list[tuple[int, int]]:
         """The memory events since ``att`` attached, up to now (ends the session and starts another)."""
@@ -97,6 +120,7 @@ class AllocatorTap:
             att.ends = [t for t in self._ends if not att.markers or t >= att.markers[0][0]]
             if not self._users:
                 self._memory, self._markers, self._ends = [], [], []
+                self._sum = 0
             else:  # drop what no remaining user can still read
                 keep_mem = min(u.mem_start for u in self._users)
                 keep_mark = min(u.marker_start for u in self._users)
@@ -109,25 +133,38 @@ class AllocatorTap:
             return att
 
     def _flush(self, restart: bool) -> None:
-        if self._session is not None:
-            session, self._session = self._session, None
+        if self._session is None:
+            if restart:
+                self._start()
+            return
+        session, self._session = self._session, None
+        # a block freed between two sessions is never reported (the allocator only forgets sizes while one runs),
+        # and the tap then counts it held for good: the next session starts before the events are read, and no
+        # garbage collection (tensors in reference cycles) runs in between
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
             session.__exit__(None, None, None)
-            memory, markers = [], []
-            for e in session.profiler.kineto_results.events():
-                name = e.name()
-                if name == "[memory]":
-                    if e.device_type() == torch._C._autograd.DeviceType.CPU:
-                        memory.append((e.start_ns(), e.nbytes()))
-                elif name == MARKER:
-                    markers.append((e.start_ns(), e.start_ns() + e.duration_ns()))
-                elif name == END_MARKER:
-                    self._ends.append(e.start_ns())
-            memory.sort(key=lambda m: m[0])
-            markers.sort()
-            self._memory.extend(memory)
-            self._markers.extend(markers)
-        if restart:
-            self._start()
+            if restart:
+                self._start()
+        finally:
+            if enabled:
+                gc.enable()
+        memory, markers = [], []
+        for e in session.profiler.kineto_results.events():
+            name = e.name()
+            if name == "[memory]":
+                if e.device_type() == torch._C._autograd.DeviceType.CPU:
+                    memory.append((e.start_ns(), e.nbytes()))
+            elif name == MARKER:
+                markers.append((e.start_ns(), e.start_ns() + e.duration_ns()))
+            elif name == END_MARKER:
+                self._ends.append(e.start_ns())
+        memory.sort(key=lambda m: m[0])
+        markers.sort()
+        self._sum += sum(nbytes for _, nbytes in memory)
+        self._memory.extend(memory)
+        self._markers.extend(markers)
 
     def _start(self) -> None:
         quiet = "KINETO_LOG_LEVEL" not in os.environ

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["OpInfo", "op_info", "arg_values", "tensors_in", "storage_key", "input_signature", "kv_cache_args",
-           "UNCOUNTED"]
+__all__ = ["OpInfo", "op_info", "arg_values", "tensors_in", "storage_key", "plain_tensors", "input_signature",
+           "kv_cache_args", "UNCOUNTED"]
 
 # NOTE [Uncounted ops]: checkpoint's own saved-tensor hook detaches every tensor it saves during a replay, so the
 # replay dispatches detach ops the forward never did. detach allocates nothing and is never worth saving: the
@@ -82,10 +83,29 @@ def storage_key(t: torch.Tensor) -> int | None:
     The key is the storage object's identity, never ``data_ptr`` (two storages can share an address over time, and
     views of one storage have different data pointers).
     """
+    if is_traceable_wrapper_subclass(t):  # NOTE [Wrapper subclasses have no storage]
+        return None
     try:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
         return None
+
+
+# NOTE [Wrapper subclasses have no storage]: a wrapper tensor subclass (DTensor: FSDP2's sharded parameters and their
+# gradients) holds its data in inner tensors; its own ``untyped_storage()`` is a placeholder that reports the bytes
+# of its local tensor's offset plus size (a 1 KiB gradient shard at offset 100 KiB of a flat buffer "has" 101 KiB)
+# and holds no memory. Counting it counts memory that does not exist, once per parameter: a scan of live tensors
+# counts the inner tensors instead (``plain_tensors``).
+def plain_tensors(tensors) -> list[torch.Tensor]:
+    """``tensors`` with every wrapper subclass replaced by its inner tensors (recursively): those that hold memory."""
+    out: list[torch.Tensor] = []
+    for t in tensors:
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            out.extend(plain_tensors(getattr(t, name) for name in names))
+        elif isinstance(t, torch.Tensor):
+            out.append(t)
+    return out
 
 
 def input_signature(args, kwargs) -> list[str]:

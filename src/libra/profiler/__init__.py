@@ -10,12 +10,13 @@ from typing import Callable
 import torch
 
 from libra._allocator import END_MARKER, TAP, peak_above_start, per_marker_highs
-from libra._ops import storage_key
+from libra._ops import plain_tensors, storage_key
 from libra.errors import LibraError
 from libra.profiler._stacks import insert_hooks_under, insert_mode_under, remove_hooks, remove_mode
 from libra.profiler.fake import FakeStep, benchmark_ops
 from libra.profiler.link import host_link_bandwidth
-from libra.profiler.recorder import ModuleProbes, Recorder, dispatch_overhead_seconds, static_tensors
+from libra.profiler.recorder import (ModuleProbes, Recorder, dispatch_overhead_seconds, static_tensors, unwatch_resizes,
+                                     watch_resizes)
 from libra.profiler.types import ModuleCall, OpRecord, PackRecord, Profile, StorageRecord
 from libra.units import format_bytes
 
@@ -122,7 +123,7 @@ class StepRecording:
 
     def start(self) -> None:
         self.overhead = dispatch_overhead_seconds()
-        buffer_keys = {storage_key(b) for b in self.model.buffers()}
+        buffer_keys = {storage_key(b) for b in plain_tensors(self.model.buffers())}
         self.recorder = Recorder(self.device, buffer_keys)
         if self.fake is not None:  # before the static tensors: the recorder keys them by their fakes
             self.recorder.fake = True
@@ -132,14 +133,7 @@ class StepRecording:
             static_tensors(self.model, self.device, exclude=self.fake.originals if self.fake else ()))
         if self.fake is None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            # what the allocator holds beyond every tensor Python can reach (cuBLAS's workspace, tensors held only
-            # by C++): live through the step like the static tensors
-            hidden = torch.cuda.memory_allocated(self.device) - self.recorder.live_bytes
-            if hidden > 0:
-                self.recorder.storages.append(StorageRecord(nbytes=hidden, alloc_op=-1, free_op=-1, static=True))
-                self.recorder.live_bytes += hidden
-                self.recorder.peak_bytes = max(self.recorder.peak_bytes, self.recorder.live_bytes)
-                self._hidden_sid = len(self.recorder.storages) - 1
+            self._add_hidden(torch.cuda.memory_allocated(self.device))
             self.allocator = "cuda"
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.fake is None and self.device.type == "cpu":
@@ -147,10 +141,13 @@ class StepRecording:
             if self._tap is not None:
                 self.recorder.mark_ops = True
                 self.allocator = "cpu-events"
+                # NOTE [What the allocator holds] in libra/_allocator.py: known where a meter anchors the tap
+                self._add_hidden(TAP.held_bytes())
         self.static_bytes = self.recorder.live_bytes
         self.static_names = self._static_names()
         self.probes = ModuleProbes(self.model, self.recorder)
         self.probes.install(root=not self.root_entered)
+        watch_resizes(self.recorder)  # NOTE [Resized storages] in recorder.py
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.root_entered:  # NOTE [Recording a live step]
@@ -164,6 +161,17 @@ class StepRecording:
         self._mode_entered = True
         self._thread = threading.get_ident()
         self._t0 = time.perf_counter_ns()
+
+    def _add_hidden(self, held_bytes: int | None) -> None:
+        """What the allocator holds beyond every tensor Python can reach (cuBLAS's workspace, tensors held only by
+        C++: gradients not yet read, DDP's buckets), as one static storage live through the step: the budget counts
+        everything on the device (DESIGN.md, pitfall 15)."""
+        hidden = (held_bytes or 0) - self.recorder.live_bytes
+        if hidden > 0:
+            self.recorder.storages.append(StorageRecord(nbytes=hidden, alloc_op=-1, free_op=-1, static=True))
+            self.recorder.live_bytes += hidden
+            self.recorder.peak_bytes = max(self.recorder.peak_bytes, self.recorder.live_bytes)
+            self._hidden_sid = len(self.recorder.storages) - 1
 
     def _static_names(self) -> list[list]:
         names: dict[int, str] = {}
@@ -236,6 +244,8 @@ class StepRecording:
         return self.released
 
     def _exit(self) -> None:
+        if self.recorder is not None:
+            unwatch_resizes(self.recorder)
         if self.recorder is not None and not self.recorder.closed:
             self.recorder.close()
         if self._tap is not None and self._tap in TAP._users:

@@ -25,12 +25,14 @@ from torch.utils._pytree import tree_leaves
 
 from libra._allocator import MARKER
 from libra._forward import ForwardSwaps
-from libra._ops import UNCOUNTED, arg_values, input_signature, kv_cache_args, op_info, storage_key, tensors_in
+from libra._ops import (UNCOUNTED, arg_values, input_signature, kv_cache_args, op_info, plain_tensors, storage_key,
+                        tensors_in)
 from libra.errors import LibraError
 from libra.profiler.fake import OpCall
 from libra.profiler.types import ModuleCall, OpRecord, PackRecord, StorageRecord
 
-__all__ = ["Recorder", "ModuleProbes", "static_tensors", "dispatch_overhead_seconds", "allocated_bytes"]
+__all__ = ["Recorder", "ModuleProbes", "static_tensors", "dispatch_overhead_seconds", "allocated_bytes",
+           "watch_resizes", "unwatch_resizes"]
 
 
 def allocated_bytes(nbytes: int, cuda: bool) -> int:
@@ -75,6 +77,9 @@ class Recorder(TorchDispatchMode):
         self.calls: list = []  # under fake tensors: each op's OpCall, to be benchmarked on real ones
         self._sid: dict[int, int] = {}
         self._finalizers: list[weakref.finalize] = []
+        self._resized_from: dict[int, int] = {}  # NOTE [Resized storages]: first record of a storage -> its current
+        self._resized_away: set[int] = set()  # records already freed by a resize
+        self.hook_depth = 0  # > 0 while FSDP2's forward hooks run (NOTE [FSDP2's hooks are never replayed])
 
     # ---- storages -------------------------------------------------------------------------------------------
     def _as_fake(self, t: torch.Tensor) -> torch.Tensor:
@@ -110,11 +115,42 @@ class Recorder(TorchDispatchMode):
         return sid
 
     def _on_free(self, key: int, sid: int) -> None:
+        sid = self._resized_from.pop(sid, sid)
         if self._sid.get(key) == sid:
             del self._sid[key]
+        if sid in self._resized_away:
+            return
         record = self.storages[sid]
         record.free_op = max(len(self.ops) - 1, record.alloc_op)
         self.live_bytes -= record.nbytes
+
+    def on_resize(self, storage, before_bytes: int) -> None:
+        """NOTE [Resized storages]: FSDP2 frees an all-gathered parameter by resizing its storage to 0 bytes and
+        gathers it again into the same storage object, resized back up (DESIGN.md, pitfall 18); the storage object
+        lives on, so no finalizer says so. A resize is a free of the storage's record where it happens (the bytes go
+        back to the allocator) and, to a size above 0, a new record allocated there, with no producing op (what
+        fills it is recorded as a write); the storage's finalizer then frees that one."""
+        if self.closed:
+            return
+        key = storage._cdata
+        sid = self._sid.get(key)
+        after = storage.nbytes()
+        if sid is None or after == before_bytes:
+            return  # never seen: an op that meets it registers it with its size then
+        first = next((f for f, cur in self._resized_from.items() if cur == sid), sid)
+        if sid not in self._resized_away:
+            record = self.storages[sid]
+            record.free_op = max(len(self.ops) - 1, record.alloc_op)
+            self.live_bytes -= record.nbytes
+            self._resized_away.add(sid)
+        if after > 0:
+            new = len(self.storages)
+            self.storages.append(StorageRecord(nbytes=allocated_bytes(after, self.cuda), alloc_op=len(self.ops),
+                                               free_op=-1))
+            self._sid[key] = new
+            self._resized_from[first] = new
+            self.live_bytes += self.storages[new].nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def register_static(self, tensors) -> None:
         for t in tensors:
@@ -139,11 +175,15 @@ class Recorder(TorchDispatchMode):
             info = fin.peek()
             if info is not None:
                 key, sid = info[2]
-                self.storages[sid].free_op = n
+                sid = self._resized_from.get(sid, sid)
+                if sid not in self._resized_away:
+                    self.storages[sid].free_op = n
                 fin.detach()
         self._finalizers.clear()
         self._sid.clear()
         self._fakes.clear()
+        self._resized_from.clear()
+        self._resized_away.clear()
 
     # ---- ops ------------------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -219,7 +259,7 @@ class Recorder(TorchDispatchMode):
                 writes=sorted(set(writes)),
                 undeclared_writes=undeclared,
                 random=info.random,
-                collective=info.collective,
+                collective=info.collective or self.hook_depth > 0,
                 returned=returned,
                 python_value=info.python_value,
                 generator=info.random and any(
@@ -269,6 +309,59 @@ class Recorder(TorchDispatchMode):
         return t
 
 
+_RESIZE_WATCHERS: list[Recorder] = []
+
+
+def _resize_watched(storage, size):
+    """``UntypedStorage.resize_`` while a recording runs: resizes, then tells each recorder (NOTE [Resized
+    storages]). A storage resize dispatches no op, so a dispatch mode cannot see it."""
+    before = storage.nbytes()
+    out = torch._C.StorageBase.resize_(storage, size)
+    for recorder in list(_RESIZE_WATCHERS):
+        recorder.on_resize(storage, before)
+    return out
+
+
+def watch_resizes(recorder: Recorder) -> None:
+    """Reports every storage resize to ``recorder`` until :func:`unwatch_resizes`."""
+    if not _RESIZE_WATCHERS:
+        torch.UntypedStorage.resize_ = _resize_watched
+    _RESIZE_WATCHERS.append(recorder)
+
+
+def unwatch_resizes(recorder: Recorder) -> None:
+    if recorder in _RESIZE_WATCHERS:
+        _RESIZE_WATCHERS.remove(recorder)
+        if not _RESIZE_WATCHERS and torch.UntypedStorage.__dict__.get("resize_") is _resize_watched:
+            del torch.UntypedStorage.resize_
+
+
+class _FsdpHookSpan:
+    """NOTE [FSDP2's hooks are never replayed]: FSDP2's forward hooks on a module (all-gather, copy out, reshard)
+    act on FSDP's state, not on the module's inputs: a replay of a module that contains them would run them in
+    another state and dispatch other ops (at world size 1, where no collective is issued, a copy fewer), or issue
+    an all-gather again. The ops they dispatch are recorded as collectives (the planner never replays a module
+    call with one in its forward) from before FSDP's pre-hooks (registered first) to the module's forward, and
+    from the forward's end to after FSDP's post-hooks (registered last)."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+
+    def pre_hooks_start(self, module, args) -> None:
+        self.recorder.hook_depth += 1
+
+    def post_hooks_end(self, module, args, output) -> None:
+        self.recorder.hook_depth = max(self.recorder.hook_depth - 1, 0)
+
+
+def _fsdp_module_class():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    return FSDPModule
+
+
 class _ForwardProbe:
     """Stands in for one module's ``forward`` while profiling and reports its start and end."""
 
@@ -278,11 +371,17 @@ class _ForwardProbe:
         self.forward = forward
 
     def __call__(self, *args, **kwargs):
+        hooked = self.fqn in self.probes.fsdp_modules  # NOTE [FSDP2's hooks are never replayed]
+        rec = self.probes.recorder
+        if hooked:
+            rec.hook_depth = max(rec.hook_depth - 1, 0)
         call = self.probes.enter(self.fqn, args, kwargs)
         try:
             return self.forward(*args, **kwargs)
         finally:
             self.probes.exit(self.fqn, call)
+            if hooked:
+                rec.hook_depth += 1
 
 
 class ModuleProbes:
@@ -296,16 +395,28 @@ class ModuleProbes:
         self.input_signature: list[str] = []
         self._counts: dict[str, int] = {}
         self._swaps = ForwardSwaps()
+        self.fsdp_modules: set[str] = set()
+        self._hook_handles: list = []
 
     def install(self, root: bool = True) -> None:
         """Wraps every module's forward; with ``root=False`` all but the root's, whose current call the caller
         reports through :meth:`enter` and :meth:`exit` itself."""
+        fsdp = _fsdp_module_class()
+        span = _FsdpHookSpan(self.recorder)
         for fqn, module in self.model.named_modules():
             if fqn or root:
                 self._swaps.replace(module, lambda forward, fqn=fqn: _ForwardProbe(self, fqn, forward))
+                if fsdp is not None and isinstance(module, fsdp):
+                    self.fsdp_modules.add(fqn)
+                    self._hook_handles.append(module.register_forward_pre_hook(span.pre_hooks_start, prepend=True))
+                    self._hook_handles.append(module.register_forward_hook(span.post_hooks_end, always_call=True))
 
     def remove(self) -> None:
         self._swaps.restore()
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        self.fsdp_modules.clear()
 
     def enter(self, fqn: str, args, kwargs=None) -> ModuleCall | None:
         rec = self.recorder
@@ -346,14 +457,16 @@ def static_tensors(model: torch.nn.Module, device: torch.device, exclude=()) -> 
     gradient made by autograd has no Python object until it is first read, so gc alone misses it), but the tensors
     of ``exclude`` (a fake step's real parameters, put aside while it runs)."""
     gc.collect()  # garbage in reference cycles would otherwise count as live, then vanish mid-step
-    skip = {storage_key(t) for t in exclude}
-    found = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and storage_key(o) not in skip]
+    skip = {storage_key(t) for t in plain_tensors(exclude)}
+    found = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
     for p in model.parameters():
         found.append(p)
         if p.grad is not None:
             found.append(p.grad)
     found.extend(model.buffers())
-    return [t for t in found if t.device == device and storage_key(t) is not None]
+    # NOTE [Wrapper subclasses have no storage] in _ops.py: a DTensor's memory is its local tensor's
+    found = plain_tensors(found)
+    return [t for t in found if t.device == device and storage_key(t) is not None and storage_key(t) not in skip]
 
 
 class _NoopMode(TorchDispatchMode):

@@ -16,7 +16,7 @@ from libra._forward import ForwardSwaps
 from libra.errors import BudgetInfeasibleError, LibraError, PlanMismatchError, UnplannedInputsError
 from libra.planner import plan as make_plan
 from libra.planner.types import Decision, Plan, RegionPlan
-from libra._ops import input_signature, kv_cache_args, storage_key
+from libra._ops import input_signature, kv_cache_args, plain_tensors, storage_key
 from libra.profiler import StepRecording, model_signature
 from libra.runtime.region import HookRun, OffloadContext, PlainRun, RegionRun, debug_enabled
 from libra.units import format_bytes
@@ -210,14 +210,14 @@ class _Session:
         """Storages of the model's parameters and buffers, which hooked regions never copy (taken once per step:
         a parameter can be replaced between steps)."""
         if self._static is None:
-            self._static = {storage_key(t) for t in (*self.model.parameters(), *self.model.buffers())}
+            self._static = {storage_key(t) for t in plain_tensors((*self.model.parameters(), *self.model.buffers()))}
         return self._static
 
     def buffer_keys(self) -> set[int]:
         """Storages of the model's buffers (NOTE [Leaving the profiled ops] in runtime/region.py), taken once per
         step like ``static_keys``."""
         if self._buffers is None:
-            self._buffers = {storage_key(t) for t in self.model.buffers()}
+            self._buffers = {storage_key(t) for t in plain_tensors(self.model.buffers())}
         return self._buffers
 
     def next_region(self, fqn: str) -> RegionPlan | None:

@@ -18,16 +18,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from libra._allocator import TAP, peak_above_start
+from libra._ops import plain_tensors, storage_key
 from libra.errors import LibraError
 
 __all__ = ["AllocatorMeter", "LiveBytesMeter", "MemoryCap"]
 
 
 def _key(t: torch.Tensor):
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return None
+    return storage_key(t)
 
 
 def _live_tensor_bytes(device: torch.device, extra) -> int:
@@ -38,6 +36,7 @@ def _live_tensor_bytes(device: torch.device, extra) -> int:
         tensors.append(t)
         if isinstance(t, torch.Tensor) and t.grad is not None:
             tensors.append(t.grad)
+    tensors = plain_tensors(tensors)
     seen: dict[int, int] = {}
     for t in tensors:
         key = _key(t)
@@ -53,7 +52,10 @@ class AllocatorMeter:
     On CUDA it is ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()``. On CPU, where the
     allocator keeps no statistics, it is the tensor storages live when the block starts (what gc and ``extra`` reach)
     plus the highest running sum of torch.profiler's memory events during the block. Meters nest, and work with
-    ``libra.profile`` inside them; not inside a ``torch.profiler.profile`` of your own.
+    ``libra.profile`` inside them; not inside a ``torch.profiler.profile`` of your own. Inside another meter, a
+    meter and ``libra.profile`` start from what the outer one counts the allocator holding, if that is more than
+    gc reaches: tensors only C++ holds (gradients not yet read, DDP's buckets) are then counted too. Enter one
+    meter before the model is built to measure and profile steps from everything the process holds.
 
     Attributes:
         start_bytes: held when the block began. ``peak_bytes``: the most held at once. ``end_bytes``: held at the end.
@@ -83,8 +85,9 @@ class AllocatorMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start_bytes = torch.cuda.memory_allocated(self.device)
         else:
-            self.start_bytes = _live_tensor_bytes(self.device, self.extra)
-            self._att = TAP.attach()
+            # NOTE [What the allocator holds] in libra/_allocator.py: inside an outer meter, its count is the truth
+            self.start_bytes = max(_live_tensor_bytes(self.device, self.extra), TAP.held_bytes() or 0)
+            self._att = TAP.attach(start_bytes=self.start_bytes)
             if self._att is None:
                 raise LibraError(
                     "libra.testing.AllocatorMeter: expected to read the CPU allocator's events, but another "
@@ -161,7 +164,7 @@ class LiveBytesMeter(TorchDispatchMode):
             tensors.append(t)
             if isinstance(t, torch.Tensor) and t.grad is not None:
                 tensors.append(t.grad)
-        for t in tensors:
+        for t in plain_tensors(tensors):
             self._track(t)
         self.extra = []  # hold no references past the scan: they would outlive the block and distort the next one
         self.start_bytes = self.current_bytes
