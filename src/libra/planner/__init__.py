@@ -6,6 +6,7 @@ import logging
 import time
 
 from libra.errors import BudgetInfeasibleError, LibraError
+from libra.planner.problem import Problem
 from libra.planner.regions import GRANULARITIES, Unit, analyse
 from libra.planner.simulate import HOOKED, PLAIN, SimResult, Simulator, State, kept_split
 from libra.planner.solvers import front, greedy, milp
@@ -58,6 +59,7 @@ class Selection:
         self.units, self.rejected = analyse(profile, granularity)
         self.sim = Simulator(profile, self.units, host_bandwidth)
         self._effects: greedy.Effects | None = None
+        self._problem: Problem | None = None
         self._full_state: State | None = None
         self._lowest_state: State | None = None
         self._minimum: tuple[State, SimResult] | None = None
@@ -126,6 +128,13 @@ class Selection:
         if self._effects is None:
             self._effects = greedy.Effects(self.sim, self.kinds)
         return self._effects
+
+    @property
+    def problem(self) -> Problem:
+        """The units' options and their measured effects (NOTE [Options per unit] in ``problem.py``)."""
+        if self._problem is None:
+            self._problem = Problem(self.sim, self.kinds)
+        return self._problem
 
 
 class Planning:
@@ -243,23 +252,15 @@ class Planning:
         if not self.kinds:
             return None
         if solver == "milp":
-            # NOTE [MILP incumbent]: the program is linear in the measured effects, the simulator is not (regions
-            # interact), so HiGHS's optimum can simulate a hair slower than the greedy's plan, or the program can
-            # miss a plan the simulator accepts. The greedy's verified plan is the incumbent; the cheaper simulated
-            # one wins.
-            state = milp.solve(sel.sim, target, sel.effects, time_limit=time_limit)
-            incumbent = greedy.solve(sel.sim, target, sel.effects)
-            if incumbent is not None and (
-                state is None or sel.sim.run(incumbent).added_seconds < sel.sim.run(state).added_seconds
-            ):
-                state = incumbent
-            if state:  # the greedy's family has plain and hooked variants already (NOTE [Plain regions])
-                if greedy.RECOMPUTE in self.kinds:  # a plain region recomputes everything
-                    state = front.plainify(sel.sim, state, target)[0]
-                if greedy.OFFLOAD in self.kinds:  # NOTE [Hooked regions]
-                    state = front.hookify(sel.sim, state, target)[0]
-        else:
-            state = greedy.solve(sel.sim, target, sel.effects)
+            # the exact reference starts from nothing the greedy found (NOTE [Exact up to interactions])
+            choice = milp.solve(sel.problem, target, time_limit=time_limit)
+            state = None if choice is None else sel.problem.state(choice)
+            if state is None and sel.minimum[1].peak_bytes <= target:
+                log.info("libra.plan: no choice of the exact solver's options fits %s in the %s selection; the "
+                         "lowest-peak plan does and is used", format_bytes(target), sel.granularity)
+                state = sel.minimum[0]
+            return state
+        state = greedy.solve(sel.sim, target, sel.effects)
         # the solvers search from every candidate evicted: below that peak only the lowest state fits, and it may
         # be the faster plan above it too (it never changes with the target, so larger budgets stay never slower)
         low_state, low = sel.minimum
@@ -509,8 +510,9 @@ def plan(
         profile: from :func:`libra.profile`.
         budget: the peak of all live tensor bytes allowed during one step, static bytes included: an int of bytes
             or a string such as ``"6GiB"`` or ``"800MB"``. Never a fraction.
-        solver: ``"greedy"`` (fast, the default) or ``"milp"`` (exact reference over the same model, SciPy's HiGHS;
-            for small and medium profiles).
+        solver: ``"greedy"`` (fast, the default) or ``"milp"``: the exact reference, one program over each module
+            call's options solved with SciPy's HiGHS, independent of the greedy (NOTE [Exact up to interactions]
+            in ``solvers/milp.py``; small and medium profiles).
         host_bandwidth: bytes per second between device and host memory, each way. Default: the profile's
             ``host_bandwidth``, which the profiler measures on a CUDA device (pinned copies, the slower direction);
             on CPU, where host and device memory are one, offloading is planned only when a bandwidth is given (to

@@ -1,85 +1,99 @@
-"""Exact reference solver: a mixed-integer program over the greedy's decisions, solved with SciPy's HiGHS.
+"""The exact reference: one mixed-integer program over the options of each unit, solved with SciPy's HiGHS
+(NOTE [Options per unit] in ``problem.py``).
 
-Variables: ``a_u`` (unit u is checkpointed) and ``x_m`` (move m: recompute or offload one candidate), binary, with
-``x_m <= a_u`` and at most one move per candidate. Objective: added seconds, ``sum unit_cost a + sum move_cost x``.
-Memory: the simulator's live-bytes curve is linear in the decisions up to interactions between regions, so the
-program uses ``live(t) = eager(t) + sum a_u A_u(t) + sum x_m D_m(t) <= budget`` with the effects ``A`` and ``D`` the
-greedy measures (:class:`~libra.planner.solvers.greedy.Effects`). Every solution is then checked by the full
-simulator; if the interactions push it over, the memory rows are tightened by the excess and it is solved again.
+Variables: ``y_o`` binary, option ``o`` taken, at most one per unit (a unit with none is not checkpointed).
+Objective: added seconds, ``sum cost_o y_o``. Memory: ``eager(t) + sum_o E_o(t) y_o <= budget`` at every op where
+some choice could reach the budget, with ``E_o`` the option's effect measured by the simulator alone. The program
+starts from nothing another solver found (no incumbent): it is what the greedy is measured against.
+
+NOTE [Exact up to interactions]: the program is exact over the options as the estimate sees them; the estimate
+ignores how units interact (a storage held by two units, a prefetch that starts at the replay before it), so every
+solution is checked by the simulator, the single judge. Where it simulates over the budget, the memory rows are
+tightened by the excess and the program is solved again; a plan so found is exact for the tightened program, not
+for the simulator. On the test profiles without offload the first solution always verified.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 
 from libra.errors import LibraError
-from libra.planner.simulate import Simulator, State
-from libra.planner.solvers.greedy import Effects, state_for
+from libra.planner.problem import Choice, Problem
 
-__all__ = ["solve", "MILP_MAX_VARIABLES"]
+__all__ = ["solve", "MILP_MAX_VARIABLES", "MILP_MAX_ENTRIES"]
 
-MILP_MAX_VARIABLES = 4000
+log = logging.getLogger("libra")
+
+MILP_MAX_VARIABLES = 4000  # options
+MILP_MAX_ENTRIES = 20_000_000  # ops x options of the memory rows' dense form
 _ROUNDS = 6
 
 
-def solve(sim: Simulator, budget: int, effects: Effects, *, time_limit: float = 60.0) -> State | None:
-    """The cheapest verified state under ``budget``, or None when the program has no solution.
+def _too_large(what: str, got: int, limit: int) -> LibraError:
+    return LibraError(
+        f"libra.plan: the exact solver takes at most {limit:,} {what}; this profile has {got:,}. "
+        "Fix: use solver='greedy' (the default), which plans profiles of any size."
+    )
+
+
+def solve(problem: Problem, budget: int, *, time_limit: float = 60.0) -> Choice | None:
+    """The cheapest choice of options the simulator fits under ``budget`` (NOTE [Exact up to interactions]), or
+    None when the program has no solution.
 
     Raises:
-        LibraError: the profile is too large for the exact solver, or HiGHS found no verified plan in time.
+        LibraError: the problem is too large for the exact solver, or HiGHS found no verified plan in time.
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import csr_matrix, lil_matrix
+    from scipy.sparse import csr_matrix
 
-    if sim.run({}).peak_bytes <= budget:
+    if problem.eager.max() <= budget:
         return {}
-    fx = effects
-    n_units, n_moves = len(sim.units), len(fx.moves)
-    n = n_units + n_moves
-    if n > MILP_MAX_VARIABLES:
-        raise LibraError(
-            f"libra.plan: the profile has {n} decisions, more than the exact solver takes ({MILP_MAX_VARIABLES}). "
-            "Fix: use solver='greedy' (the default)."
-        )
-    matrix = np.concatenate([fx.unit_delta, fx.move_delta], axis=1).astype(np.float64)
-    cost = np.concatenate([fx.unit_cost, fx.move_cost])
-    n_cand = len(fx.cand_of)
-    link = lil_matrix((n_moves + n_cand, n))
-    for m in range(n_moves):
-        link[m, n_units + m] = 1.0  # x_m - a_u <= 0
-        link[m, int(fx.move_unit[m])] = -1.0
-        link[n_moves + int(fx.move_cand[m]), n_units + m] = 1.0  # one move per candidate
-    rows = np.flatnonzero(np.abs(matrix).sum(axis=1) > 0)
-    eager = fx.eager.astype(np.float64)
-    target = float(budget)
+    n_opt = len(problem.options)
+    if n_opt > MILP_MAX_VARIABLES:
+        raise _too_large("options", n_opt, MILP_MAX_VARIABLES)
+    if problem.n_t * max(n_opt, 1) > MILP_MAX_ENTRIES:
+        raise _too_large("op-option entries", problem.n_t * n_opt, MILP_MAX_ENTRIES)
+    dense = problem.dense()
+    eager = problem.eager.astype(np.float64)
+    # the most each op can reach: eager plus, per unit, its option that adds the most there (rows that cannot reach
+    # the budget under any choice constrain nothing)
+    worst = np.zeros(problem.n_t)
+    for opts in problem.of_unit:
+        if opts:
+            worst += np.maximum(dense[:, opts].max(axis=1), 0)
+    one = csr_matrix((np.ones(n_opt), (problem.unit_of, np.arange(n_opt))), shape=(problem.n_units, n_opt))
     deadline = time.perf_counter() + time_limit
+    target = float(budget)
     for _ in range(_ROUNDS):
         remaining = deadline - time.perf_counter()
         if remaining <= 0:
             break
+        rows = np.flatnonzero(eager + worst > target)
+        memory = csr_matrix(dense[rows].astype(np.float64))
         res = milp(
-            cost,
-            constraints=[
-                LinearConstraint(csr_matrix(matrix[rows]), -np.inf, target - eager[rows]),
-                LinearConstraint(link.tocsr(), -np.inf, np.concatenate([np.zeros(n_moves), np.ones(n_cand)])),
-            ],
-            integrality=np.ones(n),
+            problem.cost,
+            constraints=[LinearConstraint(memory, -np.inf, target - eager[rows]),
+                         LinearConstraint(one, -np.inf, 1.0)],
+            integrality=np.ones(n_opt),
             bounds=Bounds(0, 1),
             options={"time_limit": remaining, "disp": False},
         )
         if res.x is None:
-            if res.status == 1:  # time limit without a solution
+            if res.status == 1:  # out of time with no solution
                 break
-            return None
-        x = np.round(res.x[n_units:]).astype(bool)
-        state = state_for(sim, [fx.moves[m] for m in np.flatnonzero(x)])
-        peak = sim.run(state).peak_bytes
+            return None  # infeasible: no choice of options fits, as the estimate sees them
+        if res.status == 1:
+            log.info("libra.plan: the exact solver ran out of time (%.0f s); its best plan so far is not proven "
+                     "optimal", time_limit)
+        choice = {int(problem.unit_of[o]): int(o) for o in np.flatnonzero(np.round(res.x) > 0)}
+        peak = problem.sim.run(problem.state(choice)).peak_bytes
         if peak <= budget:
-            return state
-        target -= peak - budget
+            return choice
+        target -= peak - budget  # NOTE [Exact up to interactions]
     raise LibraError(
         f"libra.plan: the exact solver found no verified plan within {time_limit:.0f} s. "
-        "Fix: use solver='greedy' (the default), or a larger budget."
+        "Fix: use solver='greedy' (the default), or a larger budget or time_limit."
     )

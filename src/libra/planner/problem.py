@@ -1,0 +1,206 @@
+"""The planning problem: for each unit (module call), a finite list of options, each measured once by the simulator.
+
+NOTE [Options per unit]: a plan picks at most one option per unit; a unit with none is not checkpointed. An option
+is one way to run the unit's calls:
+
+- ``Mode.MODES``: under Libra's region modes, each candidate's outputs kept on the device (``keep``), copied to host
+  memory (``offload``), or recomputed in backward (the rest). A unit with up to ``EXHAUSTIVE_CANDIDATES``
+  candidates gets every set of candidates to evict; a larger one gets the prefixes of a few orderings of its
+  candidates (most bytes per second of replay first, most bytes first, last in forward first), so its list grows
+  linearly, not exponentially. Where offloading is allowed, each eviction set comes twice more: offloading what may
+  be offloaded and recomputing the rest, and (when recompute is not allowed) offloading alone.
+- ``Mode.PLAIN``: plain ``torch.utils.checkpoint`` (NOTE [Plain regions] in ``simulate.py``), where allowed.
+- ``Mode.HOOKED``: saved-tensor hooks that offload what the call saves (NOTE [Hooked regions]), where allowed.
+
+Each option's effect on eager's live-bytes curve is measured by the simulator alone, once, as a sparse difference
+array (NOTE [Sparse effects] in ``solvers/effects.py``), with its added seconds. A plan's estimated curve is eager's
+plus the sum of its options' effects; the estimate ignores how units interact (a storage held by two units ends at
+the later holder, a prefetch starts at the replay before it, hooked calls share copies), so the solvers verify
+what they choose with the simulator, which stays the single judge.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from libra.planner.simulate import HOOKED, PLAIN, Simulator, State, kept_split
+
+__all__ = ["Mode", "Option", "Problem", "Choice", "RECOMPUTE", "OFFLOAD", "EXHAUSTIVE_CANDIDATES"]
+
+RECOMPUTE, OFFLOAD = "recompute", "offload"
+EXHAUSTIVE_CANDIDATES = 6  # units with at most this many candidates get every eviction set (2**6 = 64)
+
+
+class Mode(enum.Enum):
+    MODES = "modes"
+    PLAIN = "plain"
+    HOOKED = "hooked"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run a unit's calls (NOTE [Options per unit]); candidates in neither set are recomputed."""
+
+    mode: Mode
+    keep: frozenset[int] = frozenset()
+    offload: frozenset[int] = frozenset()
+
+    def entry(self) -> frozenset[int]:
+        """The simulator's state entry for this option."""
+        if self.mode is Mode.PLAIN:
+            return PLAIN
+        if self.mode is Mode.HOOKED:
+            return HOOKED
+        return frozenset(self.keep) | frozenset(~j for j in self.offload)
+
+    @staticmethod
+    def of_entry(entry: frozenset[int]) -> "Option":
+        if entry == PLAIN:
+            return Option(Mode.PLAIN)
+        if entry == HOOKED:
+            return Option(Mode.HOOKED)
+        keep, offload = kept_split(entry)
+        return Option(Mode.MODES, frozenset(keep), frozenset(offload))
+
+
+Choice = dict[int, int]  # unit index -> option index (into Problem.options)
+
+
+def _orderings(sim: Simulator, ui: int) -> list[list[int]]:
+    """A few orders to evict a large unit's candidates in (NOTE [Options per unit])."""
+    unit = sim.units[ui]
+    cands = list(unit.candidates)
+    size = unit.candidate_bytes
+    secs = unit.op_seconds
+    by_rate = sorted(cands, key=lambda j: (-size.get(j, 0) / max(secs[j], 1e-12), j))
+    by_bytes = sorted(cands, key=lambda j: (-size.get(j, 0), j))
+    latest = sorted(cands, key=lambda j: -j)
+    return [by_rate, by_bytes, latest]
+
+
+def _eviction_sets(sim: Simulator, ui: int) -> list[frozenset[int]]:
+    cands = list(sim.units[ui].candidates)
+    if len(cands) <= EXHAUSTIVE_CANDIDATES:
+        return [frozenset(c) for r in range(1, len(cands) + 1) for c in itertools.combinations(cands, r)]
+    out: dict[frozenset[int], None] = {}
+    for order in _orderings(sim, ui):
+        for i in range(1, len(order) + 1):
+            out.setdefault(frozenset(order[:i]), None)
+    return list(out)
+
+
+def unit_options(sim: Simulator, ui: int, kinds: tuple[str, ...]) -> list[Option]:
+    """Every option of unit ``ui`` with the mechanisms ``kinds`` (NOTE [Options per unit])."""
+    unit = sim.units[ui]
+    cands = frozenset(unit.candidates)
+    out: dict[Option, None] = {}
+    for evict in _eviction_sets(sim, ui):
+        keep = cands - evict
+        if RECOMPUTE in kinds:
+            out.setdefault(Option(Mode.MODES, keep), None)
+        if OFFLOAD in kinds:
+            movable = evict & unit.offloadable
+            if movable and RECOMPUTE in kinds:
+                out.setdefault(Option(Mode.MODES, keep, movable), None)
+            elif movable == evict:
+                out.setdefault(Option(Mode.MODES, keep, movable), None)
+    if RECOMPUTE in kinds and unit.plain_ok and sim.plain_costs is not None:
+        out.setdefault(Option(Mode.PLAIN), None)
+    if OFFLOAD in kinds and sim.hook_ok(ui):
+        out.setdefault(Option(Mode.HOOKED), None)
+    return list(out)
+
+
+def _merged(pos: np.ndarray, val: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    if pos.size == 0:
+        return pos, val
+    uniq, inv = np.unique(pos, return_inverse=True)
+    summed = np.zeros(uniq.size, dtype=np.int64)
+    np.add.at(summed, inv, val)
+    keep = summed != 0
+    return uniq[keep], summed[keep]
+
+
+class Problem:
+    """Units, their options, and each option's measured effect and cost (NOTE [Options per unit]).
+
+    Args:
+        sim: the simulator over one region selection.
+        kinds: the mechanisms allowed, a non-empty subset of ``(RECOMPUTE, OFFLOAD)``.
+    """
+
+    def __init__(self, sim: Simulator, kinds: tuple[str, ...]) -> None:
+        self.sim = sim
+        self.kinds = tuple(kinds)
+        self.eager = np.array(sim.live({})[0])
+        self.n_t = len(self.eager)
+        self.options: list[Option] = []
+        unit_of, cost, pos, val, ptr = [], [], [], [], [0]
+        self.of_unit: list[list[int]] = []
+        for ui in range(len(sim.units)):
+            mine = []
+            for opt in unit_options(sim, ui, self.kinds):
+                p, v, added = sim.changes({ui: opt.entry()})
+                p, v = _merged(p, v)
+                mine.append(len(self.options))
+                self.options.append(opt)
+                unit_of.append(ui)
+                cost.append(max(added, 1e-12))
+                pos.append(p)
+                val.append(v)
+                ptr.append(ptr[-1] + p.size)
+            self.of_unit.append(mine)
+        empty = np.zeros(0, dtype=np.int64)
+        self.unit_of = np.array(unit_of, dtype=np.int64)
+        self.cost = np.array(cost, dtype=np.float64)
+        self.pos = np.concatenate(pos) if pos else empty
+        self.val = np.concatenate(val) if val else empty
+        self.ptr = np.array(ptr, dtype=np.int64)
+        self._owner = np.repeat(np.arange(len(self.options)), np.diff(self.ptr))
+        self._points = [(self.pos[a:b].tolist(), self.val[a:b].tolist()) for a, b in zip(ptr[:-1], ptr[1:])]
+
+    @property
+    def n_units(self) -> int:
+        return len(self.of_unit)
+
+    def points(self, o: int) -> tuple[list[int], list[int]]:
+        """Option ``o``'s effect as a sparse difference array ``(positions, bytes)``."""
+        return self._points[o]
+
+    def values_at(self, t: int) -> np.ndarray:
+        """Every option's effect on the live bytes after op ``t``."""
+        mask = self.pos <= t
+        return np.bincount(self._owner[mask], weights=self.val[mask], minlength=len(self.options)).astype(np.int64)
+
+    def dense(self) -> np.ndarray:
+        """Every option's effect at every op, ``(n_t, options)`` (for the exact solver)."""
+        out = np.zeros((self.n_t + 1, len(self.options)), dtype=np.int64)
+        np.add.at(out, (np.minimum(self.pos, self.n_t), self._owner), self.val)
+        return np.cumsum(out, axis=0)[: self.n_t]
+
+    def state(self, choice: Choice) -> State:
+        """The simulator's state of ``choice``."""
+        return {int(self.unit_of[o]): self.options[o].entry() for o in choice.values()}
+
+    def choice_of(self, state: State) -> Choice | None:
+        """The choice whose state is ``state``, or None when one of its entries is no option here."""
+        index = {(int(self.unit_of[o]), opt): o for o, opt in enumerate(self.options)}
+        out = {}
+        for ui, entry in state.items():
+            o = index.get((ui, Option.of_entry(entry)))
+            if o is None:
+                return None
+            out[ui] = o
+        return out
+
+    def estimate(self, choice: Choice) -> np.ndarray:
+        """Eager's curve plus the effects of ``choice``'s options (what the solvers rank by)."""
+        delta = np.zeros(self.n_t + 1, dtype=np.int64)
+        for o in choice.values():
+            p, v = self._points[o]
+            np.add.at(delta, np.minimum(p, self.n_t), v)
+        return self.eager + np.cumsum(delta)[: self.n_t]
