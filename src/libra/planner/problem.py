@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from libra.planner.simulate import HOOKED, PLAIN, Simulator, State, kept_split
+from libra.planner.solvers.effects import OFFLOAD, RECOMPUTE, merged
 
-__all__ = ["Mode", "Option", "Problem", "Choice", "RECOMPUTE", "OFFLOAD", "EXHAUSTIVE_CANDIDATES"]
+__all__ = ["Mode", "Option", "Problem", "Choice", "EXHAUSTIVE_CANDIDATES"]
 
-RECOMPUTE, OFFLOAD = "recompute", "offload"
 EXHAUSTIVE_CANDIDATES = 6  # units with at most this many candidates get every eviction set (2**6 = 64)
 
 
@@ -115,16 +115,6 @@ def unit_options(sim: Simulator, ui: int, kinds: tuple[str, ...]) -> list[Option
     return list(out)
 
 
-def _merged(pos: np.ndarray, val: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    if pos.size == 0:
-        return pos, val
-    uniq, inv = np.unique(pos, return_inverse=True)
-    summed = np.zeros(uniq.size, dtype=np.int64)
-    np.add.at(summed, inv, val)
-    keep = summed != 0
-    return uniq[keep], summed[keep]
-
-
 class Problem:
     """Units, their options, and each option's measured effect and cost (NOTE [Options per unit]).
 
@@ -145,7 +135,7 @@ class Problem:
             mine = []
             for opt in unit_options(sim, ui, self.kinds):
                 p, v, added = sim.changes({ui: opt.entry()})
-                p, v = _merged(p, v)
+                p, v = merged(p, v)
                 mine.append(len(self.options))
                 self.options.append(opt)
                 unit_of.append(ui)

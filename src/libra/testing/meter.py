@@ -24,10 +24,6 @@ from libra.errors import LibraError
 __all__ = ["AllocatorMeter", "LiveBytesMeter", "MemoryCap"]
 
 
-def _key(t: torch.Tensor):
-    return storage_key(t)
-
-
 def _live_tensor_bytes(device: torch.device, extra) -> int:
     """Bytes of every distinct storage on ``device`` that gc or ``extra`` (tensors, with their ``.grad``) reach."""
     gc.collect()  # garbage in reference cycles would otherwise count as live, then vanish mid-step
@@ -39,7 +35,7 @@ def _live_tensor_bytes(device: torch.device, extra) -> int:
     tensors = plain_tensors(tensors)
     seen: dict[int, int] = {}
     for t in tensors:
-        key = _key(t)
+        key = storage_key(t)
         if key is not None and key not in seen and t.device == device:
             seen[key] = t.untyped_storage().nbytes()
     return sum(seen.values())
@@ -144,7 +140,7 @@ class LiveBytesMeter(TorchDispatchMode):
         self._finalizers: list[weakref.finalize] = []
 
     def _track(self, t: torch.Tensor) -> None:
-        key = _key(t)
+        key = storage_key(t)
         if key is None or key in self.live or t.device != self.device:
             return
         storage = t.untyped_storage()

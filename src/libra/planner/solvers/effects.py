@@ -16,7 +16,7 @@ import numpy as np
 
 from libra.planner.simulate import Simulator
 
-__all__ = ["Effects", "PeakTree", "RECOMPUTE", "OFFLOAD"]
+__all__ = ["Effects", "PeakTree", "RECOMPUTE", "OFFLOAD", "merged"]
 
 RECOMPUTE, OFFLOAD = "recompute", "offload"
 
@@ -36,7 +36,8 @@ def _minus(pos: np.ndarray, val: np.ndarray, base_pos: np.ndarray, base_val: np.
     return uniq[keep], summed[keep]
 
 
-def _merged(pos: np.ndarray, val: np.ndarray):
+def merged(pos: np.ndarray, val: np.ndarray):
+    """The sparse difference ``(pos, val)`` with one entry per position, zeros dropped."""
     return _minus(pos, val, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
 
@@ -60,7 +61,7 @@ class Effects:
         for ui, unit in enumerate(sim.units):
             cand = frozenset(unit.candidates)
             on_pos, on_val, on_added = sim.changes({ui: cand})
-            on_pos, on_val = _merged(on_pos, on_val)
+            on_pos, on_val = merged(on_pos, on_val)
             unit_pos.append(on_pos)
             unit_val.append(on_val)
             unit_ptr.append(unit_ptr[-1] + on_pos.size)
