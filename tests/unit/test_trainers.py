@@ -171,6 +171,38 @@ def test_hf_trainer_budget_too_small_raises_before_the_step():
     assert _clean(model) == [] and "training_step" not in vars(trainer)
 
 
+def test_hf_trainer_budget_for_the_first_step_only_says_the_budget_that_fits(caplog):
+    """A budget that fits the first step but not the second (AdamW's state appears after the first optimizer step)
+    raises before the second step, naming in bytes a budget that then trains every step; the planner's own advice
+    (for the budget less the growth) is not repeated, so the message gives one figure."""
+
+    def train(budget, steps=3):
+        model = _llama()
+        args = transformers.TrainingArguments(output_dir="unused", use_cpu=True, per_device_train_batch_size=8,
+                                              max_steps=steps, report_to=[], save_strategy="no", disable_tqdm=True)
+        transformers.Trainer(model=model, args=args, train_dataset=_data(32),
+                             callbacks=[HFCallback(budget=budget)]).train()
+
+    def refused(budget) -> tuple[int, str]:
+        """The error's figure and message (the error itself is dropped: its frames hold the model, which would be
+        live memory on this device at the next run's start)."""
+        try:
+            train(budget)
+        except libra.BudgetInfeasibleError as e:
+            return e.min_budget_bytes, str(e)
+        raise AssertionError(f"a budget of {budget} bytes trained every step")
+
+    first, _ = refused(2**20)
+    assert first > 2**20
+    need, message = refused(first)  # the first step's minimum: step 1 runs, step 2 cannot
+    assert "gradients and optimizer state added" in message
+    assert need > first and f"budget={need}" in message
+    assert "pass a budget of at least" not in message  # the inner, smaller figure
+    with caplog.at_level(logging.INFO, logger="libra"):
+        train(need)  # the figure the error named trains every step
+    assert any("recomputed" in r.getMessage() for r in caplog.records)
+
+
 def test_hf_gradient_checkpointing_is_said(caplog):
     model = _llama()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

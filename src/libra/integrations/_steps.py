@@ -186,19 +186,26 @@ class StepPlans:
         try:
             plan = make_plan(prof, max(self.budget_bytes - growth, 1), solver=self.solver)
         except BudgetInfeasibleError as e:
-            held = f" (gradients and optimizer state added {format_bytes(growth)} since the step was profiled)" \
-                if growth else ""
+            held = (f" (gradients and optimizer state added {format_bytes(growth)} since the step was profiled: "
+                    "an optimizer like AdamW holds twice the parameters' bytes after its first step)") if growth else ""
+            need = e.min_budget_bytes + growth
+            # the planner's own advice is for the budget less the growth, not for the budget passed here
+            said = str(e).split("\nFix:")[0]
             raise BudgetInfeasibleError(
                 f"{self.what}: expected the training step with inputs {list(signature)} to fit the budget "
-                f"{format_bytes(self.budget_bytes)}, but the lowest peak Libra can plan for it is "
-                f"{format_bytes(e.min_budget_bytes + growth)}{held}. Fix: raise the budget to at least that, or "
-                f"lower the batch size (libra.max_batch finds the largest that fits). The planner said: {e}",
-                budget_bytes=self.budget_bytes, min_budget_bytes=e.min_budget_bytes + growth,
+                f"{format_bytes(self.budget_bytes)} ({self.budget_bytes} bytes), but the lowest peak Libra can plan "
+                f"for it is {need} bytes ({format_bytes(need)}){held}. Fix: pass budget={need} or more, or lower "
+                f"the batch size (libra.max_batch finds the largest that fits). The planner said: {said}",
+                budget_bytes=self.budget_bytes, min_budget_bytes=need,
             ) from e
         self.steps_planned += 1
-        log.info("libra: %s: planned the training step with inputs %s: budget %s%s, predicted peak %s, "
+        log.info("libra: %s: planned the training step with inputs %s: budget %s%s, predicted peak %s%s, "
                  "%d recomputed / %d offloaded", self.what, list(signature), format_bytes(self.budget_bytes),
                  f" less {format_bytes(growth)} of gradients and optimizer state" if growth else "",
-                 format_bytes(plan.predicted_peak_bytes + growth), plan.counts[Decision.RECOMPUTE],
-                 plan.counts[Decision.OFFLOAD])
+                 format_bytes(plan.predicted_peak_bytes + growth),
+                 f" (the plan's {format_bytes(plan.predicted_peak_bytes)} and those)" if growth else "",
+                 plan.counts[Decision.RECOMPUTE], plan.counts[Decision.OFFLOAD])
+        if not plan.regions:
+            log.info("libra: %s: the budget is above this step's peak: nothing to recompute or offload (a budget "
+                     "below %s makes Libra save memory)", self.what, format_bytes(plan.eager_peak_bytes + growth))
         return plan

@@ -37,6 +37,15 @@ def _trainer_on_stack() -> transformers.Trainer | None:
     return None
 
 
+def _checkpointing(model) -> bool:
+    """Whether HF gradient checkpointing is on (transformers 5 renamed ``is_gradient_checkpointing`` to
+    ``is_activation_checkpointing`` and warns on the old name)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name) or name in getattr(model, "__dict__", {}):
+            return bool(getattr(model, name))
+    return False
+
+
 class LibraCallback(transformers.TrainerCallback):
     """Runs every training step of a Hugging Face ``Trainer`` under a memory budget.
 
@@ -158,7 +167,7 @@ class LibraCallback(transformers.TrainerCallback):
         self._attach()
         self._install_step()
         self._training = True
-        if getattr(model, "is_gradient_checkpointing", False) or args.gradient_checkpointing:
+        if _checkpointing(model) or args.gradient_checkpointing:
             log.warning(
                 "libra: LibraCallback: Hugging Face gradient checkpointing is on. Its checkpointed layers keep only "
                 "their inputs and are left as they are; Libra plans what remains, so it saves little more. For "
