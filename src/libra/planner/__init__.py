@@ -9,7 +9,7 @@ from libra.errors import BudgetInfeasibleError, LibraError
 from libra.planner.problem import Problem
 from libra.planner.regions import GRANULARITIES, Unit, analyse
 from libra.planner.simulate import HOOKED, PLAIN, SimResult, Simulator, State, kept_split
-from libra.planner.solvers import front, greedy, milp
+from libra.planner.solvers import front, greedy, milp, options
 from libra.planner.types import PLAN_SCHEMA_VERSION, Decision, Plan, RegionPlan
 from libra.profiler.types import Profile
 from libra.units import format_bytes, parse_bytes
@@ -29,6 +29,8 @@ _SOLVERS = ("greedy", "milp")
 # byte or below (the tests run every model at its named minimum), and it is what per-block checkpointing reaches
 # where the planner's plan is that checkpointing.
 SAFETY_MARGIN = 0.01
+
+FAMILY_MAX_UNITS = 128  # selections with more units plan with the front alone (NOTE [Option family])
 
 _MINIMUM_ROUNDS = 8  # greedy solves, each one byte under the last, that Selection.minimum tries at most
 
@@ -60,6 +62,7 @@ class Selection:
         self.sim = Simulator(profile, self.units, host_bandwidth)
         self._effects: greedy.Effects | None = None
         self._problem: Problem | None = None
+        self._family: options.Family | None = None
         self._full_state: State | None = None
         self._lowest_state: State | None = None
         self._minimum: tuple[State, SimResult] | None = None
@@ -128,6 +131,14 @@ class Selection:
         if self._effects is None:
             self._effects = greedy.Effects(self.sim, self.kinds)
         return self._effects
+
+    @property
+    def family(self) -> options.Family | None:
+        """The option family (NOTE [Option family] in ``solvers/options.py``); None for selections of more than
+        ``FAMILY_MAX_UNITS`` units, where its growth path (quadratic in the units) would dominate planning."""
+        if self._family is None and len(self.units) <= FAMILY_MAX_UNITS:
+            self._family = options.Family(self.problem)
+        return self._family
 
     @property
     def problem(self) -> Problem:
@@ -260,13 +271,15 @@ class Planning:
                          "lowest-peak plan does and is used", format_bytes(target), sel.granularity)
                 state = sel.minimum[0]
             return state
-        state = greedy.solve(sel.sim, target, sel.effects)
-        # the solvers search from every candidate evicted: below that peak only the lowest state fits, and it may
-        # be the faster plan above it too (it never changes with the target, so larger budgets stay never slower)
+        # each candidate is the cheapest fitting plan of a budget-independent family, so the cheapest of them is too
+        # (NOTE [Monotone in the budget]): the front's, the option family's (NOTE [Option family]), and the lowest
+        # state (the solvers search from every candidate evicted: below that peak only it fits)
         low_state, low = sel.minimum
-        if low.peak_bytes <= target and (state is None or low.added_seconds < sel.sim.run(state).added_seconds):
-            state = low_state
-        return state
+        found = [greedy.solve(sel.sim, target, sel.effects),
+                 sel.family.solve(target) if sel.family is not None else None,
+                 low_state if low.peak_bytes <= target else None]
+        costs = [(sel.sim.run(s).added_seconds, i) for i, s in enumerate(found) if s is not None]
+        return found[min(costs)[1]] if costs else None
 
     # ---- building the Plan ---------------------------------------------------------------------------------
     def _op_keys(self) -> list[str]:

@@ -5,9 +5,10 @@ is one way to run the unit's calls:
 
 - ``Mode.MODES``: under Libra's region modes, each candidate's outputs kept on the device (``keep``), copied to host
   memory (``offload``), or recomputed in backward (the rest). A unit with up to ``EXHAUSTIVE_CANDIDATES``
-  candidates gets every set of candidates to evict; a larger one gets the prefixes of a few orderings of its
-  candidates (most bytes per second of replay first, most bytes first, last in forward first), so its list grows
-  linearly, not exponentially. Where offloading is allowed, each eviction set comes twice more: offloading what may
+  candidates gets every set of candidates to evict; a larger one gets the prefixes and the suffixes of a few
+  orderings of its candidates (most bytes per second of replay first, most bytes first, last in forward first), so
+  its list grows linearly, not exponentially (a suffix keeps only the best few: the plans that keep one or two of
+  eight candidates, which the move-level greedy finds on measured op times). Where offloading is allowed, each eviction set comes twice more: offloading what may
   be offloaded and recomputing the rest, and (when recompute is not allowed) offloading alone.
 - ``Mode.PLAIN``: plain ``torch.utils.checkpoint`` (NOTE [Plain regions] in ``simulate.py``), where allowed.
 - ``Mode.HOOKED``: saved-tensor hooks that offload what the call saves (NOTE [Hooked regions]), where allowed.
@@ -89,7 +90,8 @@ def _eviction_sets(sim: Simulator, ui: int) -> list[frozenset[int]]:
     out: dict[frozenset[int], None] = {}
     for order in _orderings(sim, ui):
         for i in range(1, len(order) + 1):
-            out.setdefault(frozenset(order[:i]), None)
+            out.setdefault(frozenset(order[:i]), None)  # evict the first i
+            out.setdefault(frozenset(order[-i:]), None)  # keep only the first len - i
     return list(out)
 
 
@@ -152,6 +154,7 @@ class Problem:
         self.ptr = np.array(ptr, dtype=np.int64)
         self._owner = np.repeat(np.arange(len(self.options)), np.diff(self.ptr))
         self._points = [(self.pos[a:b].tolist(), self.val[a:b].tolist()) for a, b in zip(ptr[:-1], ptr[1:])]
+        self._spans: dict[int, tuple[int, np.ndarray]] = {}
 
     @property
     def n_units(self) -> int:
@@ -160,6 +163,20 @@ class Problem:
     def points(self, o: int) -> tuple[list[int], list[int]]:
         """Option ``o``'s effect as a sparse difference array ``(positions, bytes)``."""
         return self._points[o]
+
+    def span(self, o: int) -> tuple[int, np.ndarray]:
+        """Option ``o``'s effect where it is not zero, dense: ``(first op, bytes at each op from there)``."""
+        if o not in self._spans:
+            p, v = self._points[o]
+            if not p:
+                self._spans[o] = (0, np.zeros(0, dtype=np.int64))
+            else:
+                lo = min(p)
+                hi = min(max(p), self.n_t) if sum(v) == 0 else self.n_t  # one that does not cancel lasts to the end
+                delta = np.zeros(hi - lo + 1, dtype=np.int64)
+                np.add.at(delta, np.minimum(np.asarray(p), hi) - lo, v)
+                self._spans[o] = (lo, np.cumsum(delta)[: hi - lo])
+        return self._spans[o]
 
     def values_at(self, t: int) -> np.ndarray:
         """Every option's effect on the live bytes after op ``t``."""

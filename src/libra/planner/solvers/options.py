@@ -1,0 +1,265 @@
+"""The default solver: a greedy over each unit's options (NOTE [Options per unit] in ``problem.py``), made monotone
+in the budget by choosing from a budget-independent family (NOTE [Option family]).
+
+Growth: at the estimated peak, one unit switches to the option that frees the most bytes there per second it adds
+(one that frees bytes there for no added time first); repeat. The estimate is eager's curve plus the chosen
+options' effects, kept in a :class:`~libra.planner.solvers.effects.PeakTree`. Trim: each unit of a fitting plan,
+the costliest first, drops to its cheapest option (or none) the estimate still fits; the simulator checks, and where
+it disagrees the longest prefix of the drops it accepts is kept.
+
+NOTE [Option family]: a larger budget must never give a slower plan (NOTE [Monotone in the budget] in
+``front.py``), so the plan for ``b`` is the cheapest member, by simulated added seconds, of a family that does not
+depend on ``b`` whose simulated peak fits ``b``. The family:
+
+- the plans on the growth path from eager to the lowest estimated peak (the state after each switch, with no
+  budget), trimmed at their own simulated peaks: growth that stops at the first plan under a budget adds a third
+  half-used unit where two whole ones fit a little lower on the path, and the path passes those. A path longer
+  than ``2 * PATH_PLANS`` gives its first ``PATH_PLANS`` plans (where units are few and such choices matter) and
+  ``PATH_PLANS`` more evenly spaced;
+- the growth to each of ``RUNGS`` budgets evenly spaced from the path's lowest simulated peak to eager's (with
+  the simulator's corrections where units interact), trimmed at that budget: these reach budgets between the
+  path's plans. One growth goes down the rungs, each going on from the last one's untrimmed plan.
+
+The planner takes the cheaper of this family's plan and the move-level front's (``front.py``), both chosen by the
+same rule, so the result stays monotone. Neither alone is enough (``bench/planner_family.py``): in the steady-time
+setup of the tests the front adds a third half-used block where two whole ones fit (the test GPT at 75%: x1.833
+against the family's x1.556, which is the option MILP's), and on measured op times the front's single-move plans (a
+unit keeping one of eight candidates) are out of the options' reach (the bench Mixer at 50%: x1.271 against
+x1.310). Each of the front's own mechanisms (detours, exchanges, polish, plain variants) still gives the cheapest
+plan somewhere on the bench and test profiles, so none was removed.
+
+The growth path cannot cycle: a unit only moves to an option that frees more bytes at the current peak than its
+current one, and each option is taken at most once on the path, so it has at most as many steps as options.
+
+NOTE [Option family cost]: a growth step costs O(points of all options) to rank every option at the peak; the family
+runs the simulator once per path plan and rung plus O(log k) times per trim of a k-unit plan. Members are built
+once per selection and shared by every budget.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from libra.planner.problem import Choice, Problem
+from libra.planner.simulate import State
+from libra.planner.solvers.effects import PeakTree
+
+__all__ = ["Family", "grow", "path", "trim", "RUNGS", "PATH_PLANS"]
+
+RUNGS = 16
+PATH_PLANS = 24  # a longer growth path has its first plans and this many more, evenly spaced, in the family
+_VERIFY_ROUNDS = 16
+
+
+def _switch(problem: Problem, tree: PeakTree, choice: Choice, ui: int, o: int | None) -> None:
+    """Unit ``ui`` takes option ``o`` (None: it is not checkpointed), on ``tree`` and in ``choice``."""
+    old = choice.get(ui)
+    if old is not None:
+        tree.add_points(*problem.points(old), sign=-1)
+        del choice[ui]
+    if o is not None:
+        tree.add_points(*problem.points(o), sign=1)
+        choice[ui] = o
+
+
+def _best_switch(problem: Problem, tree: PeakTree, current: np.ndarray, unit_cost: np.ndarray,
+                 over: int | None, used: np.ndarray | None) -> int | None:
+    """The option to switch to at the estimated peak (None when none frees bytes there): the most bytes freed per
+    second added, one that adds no time first; bytes beyond ``over`` (what the peak is above the budget) count as
+    ``over``."""
+    _, t = tree.peak()
+    vals = problem.values_at(t)
+    now = np.where(current >= 0, vals[np.maximum(current, 0)], 0)
+    red = now[problem.unit_of] - vals
+    added = problem.cost - unit_cost[problem.unit_of]
+    open_ = red > 0
+    if used is not None:
+        open_ &= ~used
+    open_[current[current >= 0]] = False
+    if not open_.any():
+        return None
+    free = open_ & (added <= 0)
+    if free.any():
+        return int(np.flatnonzero(free)[np.argmax(red[free])])
+    gain = red if over is None else np.minimum(red, over)
+    return int(np.argmax(np.where(open_, gain / np.maximum(added, 1e-15), -np.inf)))
+
+
+def _arrays(problem: Problem, choice: Choice) -> tuple[np.ndarray, np.ndarray]:
+    current = np.full(problem.n_units, -1, dtype=np.int64)
+    unit_cost = np.zeros(problem.n_units)
+    for ui, o in choice.items():
+        current[ui] = o
+        unit_cost[ui] = problem.cost[o]
+    return current, unit_cost
+
+
+def grow(problem: Problem, budget: int, choice: Choice, tree: PeakTree) -> bool:
+    """Switches units to better options at the estimated peak until it fits ``budget``; False when no option frees
+    bytes at some peak (``choice`` and ``tree`` are left where it stopped). Each option is taken at most once."""
+    current, unit_cost = _arrays(problem, choice)
+    used = np.zeros(len(problem.options), dtype=bool)
+    used[current[current >= 0]] = True
+    while True:
+        peak, _ = tree.peak()
+        if peak <= budget:
+            return True
+        o = _best_switch(problem, tree, current, unit_cost, peak - budget, used)
+        if o is None:
+            return False
+        ui = int(problem.unit_of[o])
+        _switch(problem, tree, choice, ui, o)
+        tree.forget()
+        current[ui], unit_cost[ui], used[o] = o, problem.cost[o], True
+
+
+def path(problem: Problem) -> list[Choice]:
+    """The growth path with no budget: the choice after each switch, from eager to the lowest estimated peak."""
+    choice: Choice = {}
+    tree = PeakTree(problem.eager)
+    current, unit_cost = _arrays(problem, choice)
+    used = np.zeros(len(problem.options), dtype=bool)
+    out = []
+    while True:
+        o = _best_switch(problem, tree, current, unit_cost, None, used)
+        if o is None:
+            return out
+        ui = int(problem.unit_of[o])
+        _switch(problem, tree, choice, ui, o)
+        tree.forget()
+        current[ui], unit_cost[ui], used[o] = o, problem.cost[o], True
+        out.append(dict(choice))
+
+
+def _longest_prefix(n: int, fits) -> int:
+    """The largest ``k <= n`` with ``fits(k)`` (``fits(0)`` holds), trusting prefixes of fitting prefixes to fit:
+    ``n`` first, else a bisection, O(log n) calls."""
+    if n == 0 or fits(n):
+        return n
+    lo, hi = 0, n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tuple[Choice, np.ndarray]:
+    """``choice`` (which the simulator fits under ``budget``, curve ``live``) with each unit, costliest first, moved
+    to its cheapest option the estimate still fits; checked by the simulator (NOTE [Option family cost])."""
+    curve = np.array(live[: problem.n_t], dtype=np.int64)
+    drops: list[tuple[int, int | None]] = []
+    for ui in sorted(choice, key=lambda u: (-problem.cost[choice[u]], u)):
+        cur = choice[ui]
+        lo, eff = problem.span(cur)
+        curve[lo: lo + eff.size] -= eff
+        # the curve's largest value before each op and from each op on, to check an option outside its effect
+        before = np.concatenate(([np.iinfo(np.int64).min], np.maximum.accumulate(curve)))
+        after = np.concatenate((np.maximum.accumulate(curve[::-1])[::-1], [np.iinfo(np.int64).min]))
+        cheaper = sorted((o for o in problem.of_unit[ui] if problem.cost[o] < problem.cost[cur]),
+                         key=lambda o: (problem.cost[o], o))
+        taken: tuple[int | None, int, np.ndarray] = (cur, lo, eff)
+        for o in [None, *cheaper]:
+            olo, oeff = (0, eff[:0]) if o is None else problem.span(o)
+            hi = olo + oeff.size
+            inside = (curve[olo:hi] + oeff).max() if oeff.size else before[-1]
+            if max(before[olo], after[hi], inside) <= budget:
+                drops.append((ui, o))
+                taken = (o, olo, oeff)
+                break
+        _, tlo, teff = taken
+        curve[tlo: tlo + teff.size] += teff
+    if not drops:
+        return choice, live
+    fitting: dict[int, tuple[Choice, np.ndarray]] = {0: (choice, live)}
+
+    def fits(k: int) -> bool:
+        trial = dict(choice)
+        for ui, o in drops[:k]:
+            if o is None:
+                trial.pop(ui, None)
+            else:
+                trial[ui] = o
+        curve, _ = problem.sim.live(problem.state(trial))
+        if curve.max() <= budget:
+            fitting[k] = (trial, curve)
+        return k in fitting
+
+    return fitting[_longest_prefix(len(drops), fits)]
+
+
+def _grow_verified(problem: Problem, budget: int, choice: Choice,
+                   tree: PeakTree) -> tuple[np.ndarray | None, PeakTree]:
+    """Grows ``choice`` (whose estimate ``tree`` holds) until the simulator fits it under ``budget``, going on from
+    the simulated curve where the units' interactions put it over: its simulated curve (None if it found none) and
+    the tree of its estimate."""
+    for _ in range(_VERIFY_ROUNDS):
+        if not grow(problem, budget, choice, tree):
+            return None, tree
+        live, _ = problem.sim.live(problem.state(choice))
+        if live.max() <= budget:
+            return live, tree
+        tree = PeakTree(live)  # the units interact: go on from the simulated curve
+    return None, tree
+
+
+class Family:
+    """The budget-independent family of plans of one problem (NOTE [Option family]), built when first solved.
+
+    Args:
+        problem: the units' options.
+    """
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        self._members: list[tuple[float, int, State]] | None = None  # (added seconds, simulated peak, state)
+
+    @property
+    def members(self) -> list[tuple[float, int, State]]:
+        if self._members is None:
+            self._members = self._build()
+        return self._members
+
+    def _build(self) -> list[tuple[float, int, State]]:
+        pr, sim = self.problem, self.problem.sim
+        found: dict[tuple, tuple[float, int, State]] = {}
+
+        def add(state: State) -> None:
+            key = tuple(sorted(state.items()))
+            if key not in found:
+                r = sim.run(state)
+                found[key] = (r.added_seconds, r.peak_bytes, state)
+
+        lowest = int(pr.eager.max())
+        grown = path(pr)
+        if len(grown) > 2 * PATH_PLANS:  # the first ones, where units are few, and the rest evenly spaced
+            rest = len(grown) - PATH_PLANS
+            grown = grown[:PATH_PLANS] + [grown[PATH_PLANS + rest * i // PATH_PLANS] for i in range(PATH_PLANS)]
+        for choice in grown:
+            live, _ = sim.live(pr.state(choice))
+            peak = int(live.max())
+            lowest = min(lowest, peak)
+            add(pr.state(trim(pr, peak, choice, live)[0]))
+        lowest = min([lowest] + [peak for _, peak, _ in found.values()])
+        top = int(pr.eager.max())
+        # one growth down the rungs, from the highest: each rung's plan goes on from the last one's, untrimmed
+        choice: Choice = {}
+        tree = PeakTree(pr.eager)
+        for i in reversed(range(1, RUNGS)):
+            rung = lowest + (top - lowest) * i // RUNGS
+            live, tree = _grow_verified(pr, rung, choice, tree)
+            if live is None:
+                break
+            add(pr.state(trim(pr, rung, choice, live)[0]))
+        return sorted(found.values(), key=lambda m: (m[0], m[1], len(m[2])))
+
+    def solve(self, budget: int) -> State | None:
+        """The cheapest member whose simulated peak fits ``budget``; None when none does."""
+        if self.problem.eager.max() <= budget:
+            return {}
+        for _, peak, state in self.members:
+            if peak <= budget:
+                return state
+        return None
