@@ -13,6 +13,13 @@ def make():
     model, x, y, loss_fn = models.make_mlp(batch=1024, d=64, hidden=256, depth=4)
     return model, lambda: loss_fn(model(x), y).backward()
 
+def make_meta():
+    import torch
+    with torch.device("meta"):
+        model = models.GPT(vocab=256, d=64, layers=2, heads=4, seq=32)
+    x = torch.randint(0, 256, (2, 32))
+    return model, lambda: model(x).sum().backward()
+
 def make_batch(batch_size):
     model, x, y, loss_fn = models.make_mlp(batch=batch_size, d=64, hidden=256, depth=4)
     return model, lambda: loss_fn(model(x), y).backward()
@@ -29,6 +36,19 @@ def test_profile_plan_show(tmp_path, capsys):
     assert "nothing is recomputed" in capsys.readouterr().out
     assert main(["show", str(plan)]) == 0
     assert "predicted peak" in capsys.readouterr().out
+
+
+def test_profile_a_meta_model_fake_on_a_named_device(tmp_path, capsys):
+    import libra
+
+    script = tmp_path / "factory.py"
+    script.write_text(FACTORY)
+    prof = tmp_path / "profile.json"
+    assert main(["profile", f"{script}:make_meta", "--fake", "cpu", "--timing", "estimate", "-o", str(prof)]) == 0
+    loaded = libra.Profile.load(str(prof))
+    assert loaded.device == "cpu" and loaded.provenance["op_seconds"] == "estimate"
+    assert main(["profile", f"{script}:make_meta", "--fake", "-o", str(prof)]) == 2  # no device named
+    assert "fake='cpu'" in capsys.readouterr().err
 
 
 def test_errors_are_short_and_exit_nonzero(tmp_path, capsys):

@@ -24,7 +24,7 @@ def test_cli_snapshot():
     demo_flags = sorted(o for a in sub.choices["demo"]._actions for o in a.option_strings)
     assert demo_flags == ["--batch", "--help", "--layers", "--share", "--steps", "-h"]
     flags = {name: sorted(o for a in p._actions for o in a.option_strings) for name, p in sub.choices.items()}
-    assert flags["profile"] == ["--fake", "--help", "--output", "--warmup", "-h", "-o"]
+    assert flags["profile"] == ["--fake", "--help", "--output", "--timing", "--warmup", "-h", "-o"]
     assert flags["plan"] == ["--budget", "--help", "--output", "--solver", "-h", "-o"]
     assert flags["show"] == ["--help", "--plot", "--profile", "-h"]
     assert flags["max-batch"] == ["--budget", "--fake", "--help", "--max-profiles", "--output", "--start", "--warmup",

@@ -61,7 +61,7 @@ def _profile(args) -> int:
         step()
         model.zero_grad(set_to_none=True)
     print(f"profiling one {'fake ' if args.fake else ''}step of {type(model).__name__} ...", file=sys.stderr)
-    prof = libra.profile(model, step, fake=args.fake)
+    prof = libra.profile(model, step, fake=args.fake, timing=args.timing)
     prof.save(args.output)
     print(f"{args.output}: {prof.n_ops} ops, eager peak {format_bytes(prof.eager_peak_bytes)} "
           f"(static {format_bytes(prof.static_bytes)}), {prof.eager_step_seconds * 1e3:.1f} ms")
@@ -104,7 +104,11 @@ def add_parsers(sub) -> None:
     p.add_argument("factory", help="SCRIPT_OR_MODULE:FACTORY, a callable returning (model, step)")
     p.add_argument("-o", "--output", default="profile.json", help="where to write the profile (profile.json)")
     p.add_argument("--warmup", type=int, default=1, help="plain steps before profiling (default 1; none with --fake)")
-    p.add_argument("--fake", action="store_true", help="record the step on fake tensors: no eager memory needed")
+    p.add_argument("--fake", nargs="?", const=True, default=False, metavar="DEVICE",
+                   help="record the step on fake tensors: no eager memory needed (a DEVICE such as cpu or cuda:0 "
+                        "for a model built on meta)")
+    p.add_argument("--timing", choices=("benchmark", "estimate"), default="benchmark",
+                   help="with --fake: time each op alone (default), or estimate from its operations and bytes")
     p.set_defaults(run=_profile)
 
     p = sub.add_parser("plan", help="plan a profile under a byte budget")

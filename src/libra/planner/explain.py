@@ -39,7 +39,8 @@ def explain_plan(plan: Plan) -> str:
     if plan.provenance:
         p = plan.provenance
         memory = {"fake": "fake tensors (no eager step)", "step": "one real step"}.get(p.get("memory"), "?")
-        times = {"benchmark": "each op timed alone (an estimate)", "step": "timed in the step"}.get(
+        times = {"benchmark": "each op timed alone (an estimate)", "step": "timed in the step",
+                 "estimate": "estimated from each op's operations and bytes (no temporaries measured)"}.get(
             p.get("op_seconds"), "?")
         lines.append(f"  profile         memory from {memory}; op times {times}")
         link = p.get("host_bandwidth", "none")

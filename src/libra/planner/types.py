@@ -84,7 +84,7 @@ class Plan:
         host_bandwidth: the host link's bytes per second the plan was made with; 0.0: none (offloading was not
             modelled).
         provenance: where the profile's figures came from (``Profile.provenance``): ``"memory"``: ``"step"`` or
-            ``"fake"``; ``"op_seconds"``: ``"step"`` or ``"benchmark"``; ``"host_bandwidth"``: ``"measured"``,
+            ``"fake"``; ``"op_seconds"``: ``"step"``, ``"benchmark"`` or ``"estimate"``; ``"host_bandwidth"``: ``"measured"``,
             ``"given"`` or ``"none"``. Shown by :meth:`explain`.
     """
 

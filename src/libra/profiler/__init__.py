@@ -13,7 +13,7 @@ from libra._allocator import END_MARKER, TAP, peak_above_start, per_marker_highs
 from libra._ops import plain_tensors, storage_key
 from libra.errors import LibraError
 from libra.profiler._stacks import insert_hooks_under, insert_mode_under, remove_hooks, remove_mode
-from libra.profiler.fake import FakeStep, benchmark_ops
+from libra.profiler.fake import FakeStep, benchmark_ops, estimate_ops
 from libra.profiler.link import host_link_bandwidth
 from libra.profiler.recorder import (ModuleProbes, Recorder, dispatch_overhead_seconds, static_tensors, unwatch_resizes,
                                      watch_resizes)
@@ -40,7 +40,8 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def profile(model: torch.nn.Module, step: Callable[[], object], *, fake: bool = False) -> Profile:
+def profile(model: torch.nn.Module, step: Callable[[], object], *, fake: bool | str | torch.device = False,
+            timing: str = "benchmark") -> Profile:
     """Runs ``step()`` once under recording and returns what it did.
 
     ``step`` is one training step's forward and backward (``loss_fn(model(x), y).backward()``); its gradients,
@@ -50,12 +51,18 @@ def profile(model: torch.nn.Module, step: Callable[[], object], *, fake: bool = 
     With ``fake=True`` the step runs on fake tensors (NOTE [Fake profiles] in profiler/fake.py): it needs none of
     eager's memory, trains nothing (gradients, buffers and the RNG are left as they were), and each distinct op is
     then timed alone on real tensors of its recorded shapes, which also measures its temporary memory. Use it when
-    the eager step does not fit, or to plan for input shapes before any step runs with them.
+    the eager step does not fit, or to plan for input shapes before any step runs with them. ``fake="cpu"`` or
+    ``fake="cuda:0"`` names the device: a model built on ``meta`` (no memory for its weights) is then profiled as if
+    its parameters lived there.
 
     Args:
         model: the module whose submodules may later be recomputed.
         step: a callable running one forward and backward.
-        fake: run the step on fake tensors on the model's device.
+        fake: run the step on fake tensors: ``True`` on the model's device, or on the device named.
+        timing: with ``fake``, how op times are found: ``"benchmark"`` (each distinct op run alone at its recorded
+            shapes, which also measures its temporary memory) or ``"estimate"`` (from each op's floating-point
+            operations and bytes at the device's measured rates, running nothing at those shapes: for steps too big
+            to time op by op; NOTE [Estimated op times] in profiler/fake.py).
 
     Returns:
         A :class:`Profile`.
@@ -74,10 +81,27 @@ def profile(model: torch.nn.Module, step: Callable[[], object], *, fake: bool = 
         raise LibraError(f"libra.profile: expected a torch.nn.Module, got {type(model).__name__}.")
     if not callable(step):
         raise LibraError(f"libra.profile: expected a callable step, got {type(step).__name__}.")
+    if timing not in ("benchmark", "estimate"):
+        raise LibraError(f"libra.profile: timing should be 'benchmark' or 'estimate', got {timing!r}.")
+    device = _model_device(model)
+    if fake is not False and fake is not True:
+        try:
+            device = torch.device(fake)
+        except (RuntimeError, TypeError) as e:
+            raise LibraError(f"libra.profile: fake should be True or a device such as 'cpu' or 'cuda:0', got "
+                             f"{fake!r} ({e}).") from e
+    if device.type == "meta":
+        raise LibraError(
+            "libra.profile: the model's parameters are on 'meta' (no values, no device): expected the device the "
+            "step will run on. Fix: profile it fake there, libra.profile(model, step, fake='cuda:0') or fake='cpu'."
+        )
+    if timing != "benchmark" and not fake:
+        raise LibraError("libra.profile: timing='estimate' is for fake profiles; a real step times its own ops. "
+                         "Fix: pass fake=True, or leave timing as it is.")
     fake_step = None
-    if fake:
+    if fake is not False:
         dispatch_overhead_seconds()  # measured on real tensors, before the fake mode is entered
-        fake_step = FakeStep(model, _model_device(model))
+        fake_step = FakeStep(model, device, timing)
         fake_step.__enter__()
     recording = StepRecording(model, fake=fake_step)
     try:
@@ -107,7 +131,7 @@ class StepRecording:
         self.model = model
         self.root_entered = root_entered
         self.fake = fake
-        self.device = _model_device(model)
+        self.device = fake.device if fake is not None else _model_device(model)
         self.recorder: Recorder | None = None
         self.probes: ModuleProbes | None = None
         self._hooks = None
@@ -128,7 +152,8 @@ class StepRecording:
         if self.fake is not None:  # before the static tensors: the recorder keys them by their fakes
             self.recorder.fake = True
             self.recorder.fake_mode = self.fake.mode
-            self.allocator = "benchmark"
+            # temporaries measured op by op on real tensors, or not at all (NOTE [Estimated op times])
+            self.allocator = "benchmark" if self.fake.timing == "benchmark" else ""
         self.recorder.register_static(
             static_tensors(self.model, self.device, exclude=self.fake.originals if self.fake else ()))
         if self.fake is None and self.device.type == "cuda":
@@ -334,8 +359,12 @@ class StepRecording:
         self._exit()
         recorder, probes = self.recorder, self.probes
         ops = recorder.ops
-        if self.fake is not None:  # NOTE [Fake profiles]: times and temporaries from each op run alone, for real
+        if self.fake is not None and self.fake.timing == "estimate":  # NOTE [Estimated op times]
+            seconds = estimate_ops(recorder.calls, self.device)
+            transient = [0] * len(seconds)
+        elif self.fake is not None:  # NOTE [Fake profiles]: times and temporaries from each op run alone, for real
             seconds, transient = benchmark_ops(recorder.calls, self.device)
+        if self.fake is not None:
             for op, s, b in zip(ops, seconds, transient):
                 op.seconds, op.transient_bytes = s, b
             recorder.calls = []
@@ -369,7 +398,7 @@ class StepRecording:
             static_names=self.static_names,
             host_bandwidth=bandwidth,
             provenance={"memory": "fake" if self.fake is not None else "step",
-                        "op_seconds": "benchmark" if self.fake is not None else "step",
+                        "op_seconds": self.fake.timing if self.fake is not None else "step",
                         "host_bandwidth": "measured" if bandwidth else "none"},
         )
         log.info(

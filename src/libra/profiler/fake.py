@@ -11,6 +11,17 @@ back afterwards; the step's other tensors (inputs, optimizer state) stay real an
 use them, which the recorder sees as the real tensors they come from, so they count as static like in a real
 profile. The RNG is not advanced: fake random ops draw nothing.
 
+A model built on ``meta`` (``with torch.device("meta"): model = ...``: no memory for its weights) profiles fake on
+the device it will train on, named by ``fake="cuda:0"`` or ``fake="cpu"``: its parameters and buffers become fakes
+of their layout on that device.
+
+NOTE [Estimated op times]: ``timing="estimate"`` runs nothing at the recorded shapes. Each op costs a tiny op's
+time plus the larger of its floating-point operations (``torch.utils.flop_counter``, where it knows the op) at the
+device's measured matmul rate and the bytes it reads and writes at the device's measured copy rate: a roofline that
+ranks plans by what the replays cost, without the memory or the minutes that timing a step too big for the device
+would take. It knows no kernel's temporaries (they count as 0), so a budget planned from it holds only as far as
+the kernels' workspaces fit in the planner's 1% margin; ``timing="benchmark"`` (the default) measures both.
+
 Limits: an op whose output depends on values (``.item()``, ``nonzero``, a branch on a tensor, MoE routing) or a
 custom op without a fake kernel cannot run fake; the profile raises :class:`LibraError` naming it.
 """
@@ -26,7 +37,7 @@ from torch.utils._pytree import tree_map
 from libra._allocator import MARKER, TAP, per_marker_extra
 from libra.errors import LibraError
 
-__all__ = ["FakeStep", "OpCall", "benchmark_ops"]
+__all__ = ["FakeStep", "OpCall", "benchmark_ops", "estimate_ops", "device_rates"]
 
 log = logging.getLogger("libra")
 
@@ -34,7 +45,7 @@ log = logging.getLogger("libra")
 class FakeStep:
     """Swaps a model's parameters, buffers and gradients for fake ones inside a fake mode, and back."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, timing: str = "benchmark") -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -44,6 +55,7 @@ class FakeStep:
             )
         self.model = model
         self.device = device
+        self.timing = timing  # how op times are found afterwards (NOTE [Estimated op times])
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self._swapped: list[tuple[dict, str, torch.Tensor]] = []
         self.originals: list[torch.Tensor] = []
@@ -72,12 +84,20 @@ class FakeStep:
         return self
 
     def _fake_of(self, t: torch.Tensor) -> torch.Tensor:
-        fake = self.mode.from_tensor(t.detach())
+        fake = self._fake_tensor(t.detach())
         if isinstance(t, torch.nn.Parameter):
             fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
             if t.grad is not None:
-                fake.grad = self.mode.from_tensor(t.grad)
+                fake.grad = self._fake_tensor(t.grad)
         return fake
+
+    def _fake_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """A fake of ``t`` on the profiled device: of ``t`` itself where it lives there, else (a model built on
+        ``meta``, NOTE [Fake profiles]) a fresh fake of its layout, whose values nothing reads."""
+        if t.device == self.device:
+            return self.mode.from_tensor(t)
+        with self.mode:
+            return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=self.device)
 
     def _restore(self) -> None:
         for table, name, t in reversed(self._swapped):
@@ -94,15 +114,36 @@ class FakeStep:
 
 class OpCall:
     """What it takes to run one recorded op again on real tensors: the op and its arguments, tensors described by
-    shape, stride, dtype and device."""
+    shape, stride, dtype and device; and what :func:`estimate_ops` needs: its floating-point operations (where
+    ``torch.utils.flop_counter`` knows the op) and the bytes it reads and writes."""
 
-    __slots__ = ("func", "args", "kwargs", "key")
+    __slots__ = ("func", "args", "kwargs", "key", "flops", "nbytes")
 
-    def __init__(self, func, args, kwargs) -> None:
+    def __init__(self, func, args, kwargs, out=None) -> None:
         self.func = func
         self.args = tree_map(_spec, tuple(args))
         self.kwargs = tree_map(_spec, dict(kwargs))
         self.key = (str(func), repr(self.args), repr(sorted(self.kwargs.items())))
+        self.flops = _flops(func, args, kwargs, out)
+        self.nbytes = sum(t.numel() * t.element_size() for t in _leaves((args, kwargs, out)))
+
+
+def _leaves(tree) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _flops(func, args, kwargs, out) -> int:
+    from torch.utils.flop_counter import flop_registry
+
+    count = flop_registry.get(getattr(func, "overloadpacket", None))
+    if count is None:
+        return 0
+    try:
+        return int(count(*args, out_val=out, **kwargs))
+    except Exception:  # noqa: BLE001 - an op the counter cannot read is estimated by its bytes alone
+        return 0
 
 
 class _TensorSpec:
@@ -140,6 +181,46 @@ def benchmark_ops(calls: list[OpCall], device: torch.device, repeats: int = 2) -
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
         return _benchmark(calls, device, repeats)
+
+
+_RATES: dict[str, tuple[float, float, float]] = {}
+
+
+def device_rates(device: torch.device) -> tuple[float, float, float]:
+    """(floating-point operations per second of a matmul, bytes per second of a copy, seconds of a tiny op) on
+    ``device``, measured once per device in a few milliseconds (NOTE [Estimated op times])."""
+    key = str(device)
+    if key not in _RATES:
+        cuda = device.type == "cuda"
+        sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+
+        def best(fn, repeats=5) -> float:
+            fn()
+            sync()
+            out = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                out = min(out, time.perf_counter() - t0)
+            return max(out, 1e-9)
+
+        n = 512
+        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+        flop_rate = 2 * n**3 / best(lambda: a @ b)
+        big = torch.empty(4 * 2**20, device=device)  # 16 MiB: read and written once
+        byte_rate = 2 * big.numel() * 4 / best(lambda: big.clone())
+        tiny = torch.zeros(8, device=device)
+        launch = best(lambda: torch.add(tiny, tiny), repeats=50)
+        _RATES[key] = (flop_rate, byte_rate, launch)
+    return _RATES[key]
+
+
+def estimate_ops(calls: list[OpCall], device: torch.device) -> list[float]:
+    """Seconds of every call from ``device``'s rates, running nothing at the recorded shapes (NOTE [Estimated op
+    times])."""
+    flop_rate, byte_rate, launch = device_rates(device)
+    return [launch + max(c.flops / flop_rate, c.nbytes / byte_rate) for c in calls]
 
 
 def _benchmark(calls: list[OpCall], device: torch.device, repeats: int) -> tuple[list[float], list[int]]:

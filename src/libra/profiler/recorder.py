@@ -220,7 +220,7 @@ class Recorder(TorchDispatchMode):
             t0 = time.perf_counter_ns()
             out = self._run_fake(func, info, args, kwargs)
             t1 = time.perf_counter_ns()
-            self.calls.append(OpCall(func, args, kwargs))
+            self.calls.append(OpCall(func, args, kwargs, out))
         else:
             t0 = time.perf_counter_ns()
             out = func(*args, **kwargs)

@@ -84,7 +84,8 @@ class Profile:
             state, inputs).
         eager_step_seconds: the step's wall time with the recorder's own overhead taken out.
         allocator: where the ops' ``transient_bytes`` came from: ``"cuda"`` (the caching allocator's statistics),
-            ``"cpu-events"`` (torch.profiler's memory events), ``""`` (not measured: every op's are 0).
+            ``"cpu-events"`` (torch.profiler's memory events), ``"benchmark"`` (each op of a fake profile run alone
+            on real tensors), ``""`` (not measured: every op's are 0).
         allocator_peak_bytes: the step's peak as the allocator itself saw it, static bytes included, a second
             opinion on ``eager_peak_bytes`` (-1: not measured).
     """
@@ -113,7 +114,8 @@ class Profile:
     # generator's on a CPU device, 0 on CUDA (its states are host tensors) (NOTE [RNG state] in planner/simulate.py)
     rng_state_bytes: int = 0
     # where the figures come from: "memory" ("step": a real step; "fake": fake tensors, NOTE [Fake profiles]),
-    # "op_seconds" ("step": timed in the step; "benchmark": each op signature timed alone on real tensors)
+    # "op_seconds" ("step": timed in the step; "benchmark": each op signature timed alone on real tensors;
+    # "estimate": from its operations and bytes, NOTE [Estimated op times])
     provenance: dict = field(default_factory=dict)
     # [storage id, name] of the model's static tensors: "blocks.0.fc1.weight", "gradient of blocks.0.fc1.weight",
     # "buffer bn.running_mean" (what error messages name at a peak)
