@@ -126,7 +126,8 @@ class _Bracket:
         return min(max(guess, lo + 1), hi - 1)
 
 
-def _profile_at(make_step: Callable, batch_size: int, warmup: int, fake: bool = False) -> Profile | None:
+def _profile_at(make_step: Callable, batch_size: int, warmup: int, fake=False,
+                timing: str = "benchmark") -> Profile | None:
     """Profiles one step at ``batch_size`` after ``warmup`` plain steps (fake: on fake tensors, no warm-up); None
     when the device ran out of memory."""
     import torch
@@ -142,8 +143,8 @@ def _profile_at(make_step: Callable, batch_size: int, warmup: int, fake: bool = 
                 "(model, step) for the given batch size."
             )
         model, step = made
-        if fake:
-            return profile(model, step, fake=True)
+        if fake is not False:
+            return profile(model, step, fake=fake, timing=timing)
         for _ in range(warmup):
             step()
             model.zero_grad(set_to_none=True)
@@ -170,7 +171,8 @@ def max_batch(
     host_bandwidth: float | None = None,
     decisions=None,
     progress: Callable[[str], None] | None = None,
-    fake: bool = False,
+    fake=False,
+    timing: str = "benchmark",
 ) -> BatchFit:
     """Finds the largest batch size whose plan fits ``budget``, and eager's largest under the same budget.
 
@@ -192,7 +194,9 @@ def max_batch(
         warmup: plain steps before each profile, so optimizer state and first-call costs are the steady state.
         solver, host_bandwidth, decisions: as for :func:`libra.plan`.
         progress: called with one line per profiled size (the CLI prints them); the library itself never prints.
-        fake: profile every size on fake tensors (no eager memory needed).
+        fake: profile every size on fake tensors (no eager memory needed): ``True`` on the model's device, or a
+            device such as ``"cpu"`` or ``"cuda:0"`` for a ``make_step`` that builds its model on ``meta``.
+        timing: with ``fake``, ``"benchmark"`` or ``"estimate"`` (see :func:`libra.profile`).
 
     Returns:
         A :class:`BatchFit`.
@@ -220,7 +224,7 @@ def max_batch(
 
     def measure(size: int) -> None:
         nonlocal best
-        prof = _profile_at(make_step, size, warmup, fake)
+        prof = _profile_at(make_step, size, warmup, fake, timing)
         if prof is None:
             libra_search.add(size, None, False)
             eager_search.add(size, None, False)

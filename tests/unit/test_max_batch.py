@@ -111,6 +111,20 @@ def test_fake_profiles_find_the_same_batch_and_its_plan_fits(fit):
     assert meter.peak_bytes <= BUDGET
 
 
+def test_a_factory_building_on_meta_finds_the_same_batch(fit):
+    """A model on ``meta`` profiled fake on the CPU, op times estimated (NOTE [Estimated op times]): the memory, and
+    so the answer, is the real model's."""
+    real, _ = fit
+
+    def make_meta(batch_size):
+        model, step = make(batch_size)
+        return model.to("meta"), step  # the step's inputs stay real; the weights take no memory
+
+    result = libra.max_batch(make_meta, BUDGET, start=16, fake="cpu", timing="estimate")
+    assert result.batch_size == real.batch_size and result.eager_max_batch == real.eager_max_batch
+    assert result.profile.provenance == {"memory": "fake", "op_seconds": "estimate", "host_bandwidth": "none"}
+
+
 def test_progress_one_line_per_profile_and_never_prints(fit, capsys):
     result, lines = fit
     assert len(lines) == len(result.profiled)

@@ -27,8 +27,8 @@ def test_cli_snapshot():
     assert flags["profile"] == ["--fake", "--help", "--output", "--timing", "--warmup", "-h", "-o"]
     assert flags["plan"] == ["--budget", "--help", "--output", "--solver", "-h", "-o"]
     assert flags["show"] == ["--help", "--plot", "--profile", "-h"]
-    assert flags["max-batch"] == ["--budget", "--fake", "--help", "--max-profiles", "--output", "--start", "--warmup",
-                                  "-h", "-o"]
+    assert flags["max-batch"] == ["--budget", "--fake", "--help", "--max-profiles", "--output", "--start", "--timing",
+                                  "--warmup", "-h", "-o"]
 
 
 def test_import_does_not_initialise_cuda():

@@ -18,7 +18,11 @@ def add_parser(sub) -> None:
     p.add_argument("--start", type=int, default=1, help="the smallest batch size considered, profiled first (1)")
     p.add_argument("--max-profiles", type=int, default=10, help="profile at most this many sizes (default 10)")
     p.add_argument("--warmup", type=int, default=1, help="plain steps before each profile (default 1)")
-    p.add_argument("--fake", action="store_true", help="profile each size on fake tensors: no eager memory needed")
+    p.add_argument("--fake", nargs="?", const=True, default=False, metavar="DEVICE",
+                   help="profile each size on fake tensors: no eager memory needed (a DEVICE such as cpu or cuda:0 "
+                        "for a factory that builds its model on meta)")
+    p.add_argument("--timing", choices=("benchmark", "estimate"), default="benchmark",
+                   help="with --fake: time each op alone (default), or estimate from its operations and bytes")
     p.add_argument("-o", "--output", help="where to write the plan at the largest batch (default: not written)")
     p.set_defaults(run=_run)
 
@@ -30,7 +34,8 @@ def _run(args) -> int:
           f"(one {'fake ' if args.fake else ''}profiled step per size, at most {args.max_profiles}) ...",
           file=sys.stderr)
     fit = libra.max_batch(factory, budget, start=args.start, max_profiles=args.max_profiles, warmup=args.warmup,
-                          progress=lambda line: print("  " + line, file=sys.stderr, flush=True), fake=args.fake)
+                          progress=lambda line: print("  " + line, file=sys.stderr, flush=True), fake=args.fake,
+                          timing=args.timing)
     if args.output:
         fit.plan.save(args.output)
         print(f"{args.output}: the plan at batch {fit.batch_size}")
