@@ -34,6 +34,8 @@ def steady(case):
 
 def test_simulator_reproduces_eager_peak(case, planning):
     assert planning.eager.peak_bytes == case.profile.eager_peak_bytes
+    # every module ran: nothing reserved for layers a step skipped (NOTE [Layers the profiled step skipped])
+    assert planning.unprofiled == [] and planning.reserve_bytes == 0
 
 
 @pytest.mark.parametrize("share", [0.75, 0.5, "min"])

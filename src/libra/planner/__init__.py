@@ -7,7 +7,7 @@ import time
 
 from libra.errors import BudgetInfeasibleError, LibraError
 from libra.planner.problem import Problem
-from libra.planner.regions import GRANULARITIES, Unit, analyse
+from libra.planner.regions import GRANULARITIES, Unit, analyse, unprofiled_input_bytes, unprofiled_siblings
 from libra.planner.simulate import HOOKED, PLAIN, SimResult, Simulator, State, kept_split
 from libra.planner.solvers import front, greedy, milp, options
 from libra.planner.types import PLAN_SCHEMA_VERSION, Decision, Plan, RegionPlan
@@ -29,6 +29,13 @@ _SOLVERS = ("greedy", "milp")
 # byte or below (the tests run every model at its named minimum), and it is what per-block checkpointing reaches
 # where the planner's plan is that checkpointing.
 SAFETY_MARGIN = 0.01
+
+# NOTE [Layers the profiled step skipped]: with layer drop (Whisper's, stochastic depth) the profiled step skips some
+# layers that later steps run. The runtime runs such a layer recomputed whole, like its planned sibling (NOTE
+# [Unprofiled siblings] in runtime/apply.py), so it holds its input (and its checkpoint's generator state) from its
+# forward to its backward: bytes the profiled step never held. Plans reserve them: the simulator's peak must stay
+# that far under the budget, the named minimum and the predicted peak include them. A plan that recomputes none of
+# a skipped layer's siblings (a budget near eager's peak) runs that layer eagerly, which the reserve does not cover.
 
 FAMILY_MAX_UNITS = 128  # selections with more units plan with the front alone (NOTE [Option family])
 
@@ -193,6 +200,9 @@ class Planning:
         first = self.selections[0]
         self.units, self.rejected, self.sim = first.units, first.rejected, first.sim
         self.eager = self.sim.run({})
+        # NOTE [Layers the profiled step skipped]
+        self.unprofiled = sorted(unprofiled_siblings(profile))
+        self.reserve_bytes = unprofiled_input_bytes(profile)
 
     @property
     def full_state(self) -> State:
@@ -235,10 +245,12 @@ class Planning:
 
     def min_budget_bytes(self) -> int:
         """The smallest budget :func:`plan` accepts for this profile."""
-        return min(self.lowest_peak_bytes(), self.eager.peak_bytes)
+        return min(self.lowest_peak_bytes(), self.eager.peak_bytes) + self.reserve_bytes
 
     def target_bytes(self, budget: int) -> int:
-        """The peak plans for ``budget`` are made to stay under (NOTE [Safety margin])."""
+        """The peak the simulator must find for a plan for ``budget`` (NOTE [Safety margin]; NOTE [Layers the
+        profiled step skipped])."""
+        budget -= self.reserve_bytes
         return max(budget - self.margin_bytes, min(budget, self.lowest_peak_bytes()))
 
     def solve(self, budget: int, solver: str = "greedy", time_limit: float = 60.0) -> tuple[Selection, State] | None:
@@ -258,7 +270,7 @@ class Planning:
     def _solve_in(self, sel: Selection, budget: int, target: int, solver: str, time_limit: float) -> State | None:
         if "keep" not in self.decisions:
             return sel.full_state if sel.full.peak_bytes <= target else None
-        if budget >= self.eager.peak_bytes:
+        if budget - self.reserve_bytes >= self.eager.peak_bytes:
             return {}
         if not self.kinds:
             return None
@@ -387,7 +399,7 @@ class Planning:
         where = self._moment(state, result.peak_op, sel)
         return Plan(
             budget_bytes=budget,
-            predicted_peak_bytes=result.peak_bytes,
+            predicted_peak_bytes=result.peak_bytes + self.reserve_bytes,
             predicted_step_seconds=prof.eager_step_seconds + result.added_seconds,
             eager_peak_bytes=prof.eager_peak_bytes,
             eager_step_seconds=prof.eager_step_seconds,
@@ -574,7 +586,7 @@ def plan(
             left_out = (f"Left out of the plan ({len(refused)}):\n  " + "\n  ".join(
                 f"{m}{f'[{c}]' if c else ''}: {r}" for m, c, r in refused[:8]) + ("\n  ..." if len(refused) > 8 else "")
                 + "\n")
-        if minimum >= planning.eager.peak_bytes:
+        if minimum - planning.reserve_bytes >= planning.eager.peak_bytes:
             fix = (f"Fix: Libra cannot lower this step's peak at all (nothing it may recompute or offload is live "
                    f"then); pass a budget of at least {minimum} bytes, or lower what is live then (the batch, or "
                    "the static bytes: parameters, gradients, optimizer state).")
@@ -589,7 +601,9 @@ def plan(
             f"smallest peak this planner reaches is {format_bytes(minimum)} ({minimum} bytes), of which "
             f"{format_bytes(static)} were live before the step began (parameters, gradients, optimizer state, "
             f"inputs). At that peak: {at_peak}. Biggest tensors live then:\n  " + "\n  ".join(lines) + "\n"
-            + left_out + fix,
+            + left_out + (f"It includes {format_bytes(planning.reserve_bytes)} reserved for "
+                          f"{', '.join(planning.unprofiled)}, which the profiled step skipped (layer drop) and later "
+                          "steps may run.\n" if planning.reserve_bytes else "") + fix,
             budget_bytes=budget_bytes,
             min_budget_bytes=minimum,
         )
@@ -606,6 +620,10 @@ def plan(
         format_bytes(out.predicted_peak_bytes),
         format_bytes(budget_bytes),
     )
+    if planning.reserve_bytes:
+        log.info("reserved %s of the budget for %s, which the profiled step skipped (layer drop): a step that runs "
+                 "them recomputes them whole and holds their inputs", format_bytes(planning.reserve_bytes),
+                 ", ".join(planning.unprofiled))
     if out.refused:
         log.info("left out of the plan: %s", "; ".join(
             f"{m}{f'[{c}]' if c else ''} ({r})" for m, c, r in out.refused))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from libra.profiler.types import Profile
 
-__all__ = ["GRANULARITIES", "RegionInstance", "Unit", "analyse"]
+__all__ = ["GRANULARITIES", "RegionInstance", "Unit", "analyse", "unprofiled_siblings", "unprofiled_input_bytes"]
 
 
 @dataclass
@@ -344,3 +344,55 @@ def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], di
     for u in result:
         u.candidates = sorted(u.candidate_bytes)
     return result, rejected
+
+
+def unprofiled_siblings(profile: Profile) -> dict[str, int]:
+    """NOTE [Unprofiled siblings] (runtime/apply.py), seen from the profile: modules the profiled step never called
+    whose container holds a sibling with the same parameters (relative names, shapes, dtypes) that it did call,
+    as layer drop leaves them. Returns fqn -> index of the called sibling's first module call.
+
+    Later steps that run such a module run it recomputed whole (plain checkpoint) when the plan recomputes a sibling,
+    holding its input until its backward: memory the profiled step never needed (:func:`unprofiled_input_bytes`)."""
+    params: dict[str, dict[str, tuple]] = {}  # module fqn (a container's child) -> its parameters, relative
+    for name, shape, dtype in profile.parameters:
+        parts = name.split(".")
+        for k in range(1, len(parts) - 1):
+            child = ".".join(parts[: k + 1])
+            params.setdefault(child, {})[".".join(parts[k + 1:])] = (tuple(shape), dtype)
+    first_call: dict[str, int] = {}
+    for ci, c in enumerate(profile.module_calls):
+        first_call.setdefault(c.module, ci)
+    ran = set(first_call)
+    called = {m for m in ran} | {m.rsplit(".", k)[0] for m in ran for k in range(1, m.count(".") + 1)}
+    by_parent: dict[str, list[str]] = {}
+    for fqn in params:
+        by_parent.setdefault(fqn.rsplit(".", 1)[0], []).append(fqn)
+    out: dict[str, int] = {}
+    for parent, children in by_parent.items():
+        done = [c for c in children if c in first_call]
+        for fqn in children:
+            if fqn in called:
+                continue
+            twin = next((d for d in done if params[d] == params[fqn]), None)
+            if twin is not None:
+                out[fqn] = first_call[twin]
+    return out
+
+
+def unprofiled_input_bytes(profile: Profile) -> int:
+    """Bytes a later step may hold beyond the profiled one for the modules :func:`unprofiled_siblings` finds: each
+    one's input, as its called sibling's (the non-static storages its ops read that were made before it began),
+    held from its forward to its backward, and the generator state its checkpoint stashes (NOTE [RNG state] in
+    simulate.py)."""
+    total = 0
+    for ci in unprofiled_siblings(profile).values():
+        total += profile.rng_state_bytes
+        call = profile.module_calls[ci]
+        seen: set[int] = set()
+        for i in range(call.start_op, call.end_op):
+            for s in profile.ops[i].inputs:
+                rec = profile.storages[s]
+                if s not in seen and not rec.static and rec.alloc_op < call.start_op:
+                    seen.add(s)
+                    total += rec.nbytes
+    return total
