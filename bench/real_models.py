@@ -162,6 +162,11 @@ def hf_cases():
         return {"input_features": torch.randn(8, 80, 2 * 128, generator=g), "labels": ids(8, 64, 7)}
 
     mixtral = dict(llama_like, intermediate_size=256, num_local_experts=4, num_experts_per_tok=2)
+    gpt2 = causal(tf.GPT2Config(vocab_size=V, n_positions=256, n_embd=128, n_layer=4, n_head=4, bos_token_id=0,
+                                eos_token_id=0, use_cache=False), attn="eager")
+
+    def lm_lengths():
+        return [{"input_ids": x, "labels": x} for x in (ids(B, 128, 11), ids(B, 96, 12), ids(B, 64, 13))]
 
     cases = {
         "hf.bert_mlm": (lambda: tf.BertForMaskedLM(tf.BertConfig(
@@ -180,9 +185,7 @@ def hf_cases():
         "hf.mixtral": (causal(tf.MixtralConfig(**mixtral)), lm, hf_loss, "4x128 ids, 4 experts top-2"),
         "hf.mixtral_jitter": (causal(tf.MixtralConfig(**mixtral, router_jitter_noise=0.1)), lm, hf_loss,
                               "4x128 ids, 4 experts top-2, jitter 0.1"),
-        "hf.gpt2": (causal(tf.GPT2Config(vocab_size=V, n_positions=256, n_embd=128, n_layer=4, n_head=4,
-                                         bos_token_id=0, eos_token_id=0, use_cache=False), attn="eager"),
-                    lm, hf_loss, "4x128 ids, eager attn"),
+        "hf.gpt2": (gpt2, lm, hf_loss, "4x128 ids, eager attn"),
         "hf.vit": (lambda: tf.ViTForImageClassification(tf.ViTConfig(
             image_size=64, patch_size=8, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
             intermediate_size=512, num_labels=10, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
@@ -193,7 +196,9 @@ def hf_cases():
         # layer drop: each step skips other layers than the profiled one did (control flow that leaves the plan)
         "hf.whisper_layerdrop": (lambda: tf.WhisperForConditionalGeneration(tf.WhisperConfig(**dict(
             wcfg.to_dict(), encoder_layers=4, decoder_layers=4, encoder_layerdrop=0.3, decoder_layerdrop=0.3))),
-            whisper_in, hf_loss, "8x80x256 mel -> 8x64 labels, 4+4 layers, layer drop 0.3"),
+            whisper_in, hf_loss, "8x80x256 mel -> 8x64 labels, 4+4 layers, layer drop 0.3, 10 steps", 10),
+        # a sequence length drawn every step: a plan per length, made ahead from fake profiles
+        "hf.gpt2_varlen": (gpt2, lm_lengths, hf_loss, "4x{128,96,64} ids, length drawn per step, 10 steps", 10),
     }
     return cases
 
@@ -207,9 +212,15 @@ def _tail(exc: BaseException, lines: int = 8) -> str:
     return "\n".join(text[-lines:])
 
 
-def run_model(name, build, make_inputs, loss_fn, desc) -> dict:
+def run_model(name, build, make_inputs, loss_fn, desc, steps: int = STEPS) -> dict:
+    """``make_inputs()`` returns one batch, or a list of batches of other shapes: the step is then
+    profiled on the first, every other shape is planned ahead from a fake profile, each step trains on a shape
+    drawn from a seeded generator, and one more step with a shape no plan was made for must raise before it
+    allocates."""
     rec: dict = {"model": name, "input": desc, "cases": []}
-    inputs = make_inputs()  # built per case, so that no other case's inputs are live (they would count as static)
+    made = make_inputs()  # built per case, so that no other case's inputs are live (they would count as static)
+    shapes = made if isinstance(made, list) else [made]
+    inputs = shapes[0]
     torch.manual_seed(0)
     eager = build()
     eager.train()
@@ -217,8 +228,8 @@ def run_model(name, build, make_inputs, loss_fn, desc) -> dict:
     rec["parameters_MiB"] = sum(p.numel() * p.element_size() for p in eager.parameters()) / MiB
     opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (eager, ours)]
 
-    def step(model):
-        loss = loss_fn(model, inputs)
+    def step(model, batch=None):
+        loss = loss_fn(model, inputs if batch is None else batch)
         loss.backward()
         return loss.detach()
 
@@ -264,6 +275,9 @@ def run_model(name, build, make_inputs, loss_fn, desc) -> dict:
         "ops_with_transient": sum(1 for o in prof.ops if o.transient_bytes > 0),
     })
 
+    # the other shapes' profiles, fake (no eager memory, nothing trained), made once
+    others = [libra.profile(ours, lambda b=b: step(ours, b), fake=True) for b in shapes[1:]]
+    draw = torch.Generator().manual_seed(17)
     seed_base = 100
     for case in ("50%", "minimum"):
         c: dict = {"case": case, "steps": []}
@@ -272,6 +286,8 @@ def run_model(name, build, make_inputs, loss_fn, desc) -> dict:
         c["budget_bytes"] = budget
         try:
             plan = libra.plan(planning, budget)
+            # one budget for every shape, each planned at it (a shorter one's minimum is no higher, in practice)
+            plans = [plan] + [libra.plan(o, max(budget, Planning(o).min_budget_bytes())) for o in others]
         except libra.BudgetInfeasibleError as e:
             c["error"] = f"BudgetInfeasibleError: {str(e)[:2000]}"
             continue
@@ -283,29 +299,31 @@ def run_model(name, build, make_inputs, loss_fn, desc) -> dict:
         c["refused_list"] = [list(r) for r in plan.refused[:20]]
         c["counts"] = {str(k.value if hasattr(k, "value") else k): v for k, v in plan.counts.items()}
         c["regions"] = len(plan.regions)
-        for i in range(1, STEPS + 1):
-            s: dict = {"step": i}
+        for i in range(1, steps + 1):
+            k = int(torch.randint(len(shapes), (1,), generator=draw)) if len(shapes) > 1 else 0
+            batch = shapes[k]
+            s: dict = {"step": i, "shape": k}
             c["steps"].append(s)
             seed = seed_base + i
             torch.manual_seed(seed)
             try:
                 with AllocatorMeter(extra=list(ours.parameters())) as m:
-                    with libra.apply(ours, plan):
-                        loss_o = step(ours)
+                    with libra.apply(ours, plans if len(plans) > 1 else plan):
+                        loss_o = step(ours, batch)
             except Exception as e:  # noqa: BLE001
                 s["error"] = _tail(e)
                 torch.manual_seed(seed)
-                step(eager)
+                step(eager, batch)
                 finish()
                 resync()
                 continue
             torch.manual_seed(seed)
             with AllocatorMeter(extra=list(eager.parameters())) as me:
-                loss_e = step(eager)
+                loss_e = step(eager, batch)
             s["measured_peak_bytes"] = m.peak_bytes
             s["start_bytes"] = m.start_bytes
-            s["over_bytes"] = m.peak_bytes - budget
-            s["within_tolerance"] = within(m.peak_bytes, budget)
+            s["over_bytes"] = m.peak_bytes - plans[k].budget_bytes
+            s["within_tolerance"] = within(m.peak_bytes, plans[k].budget_bytes)
             s["eager_measured_above_start_bytes"] = me.peak_bytes - me.start_bytes
             s["loss_equal"] = bool(torch.equal(loss_o, loss_e))
             s["grads_equal"], error = _grads_equal(eager, ours)
@@ -317,7 +335,20 @@ def run_model(name, build, make_inputs, loss_fn, desc) -> dict:
             del loss_o, loss_e
         seed_base += 100
         c["explain"] = plan.explain()[:6000]
-    del eager, ours, opts, prof, planning
+        if len(shapes) > 1:  # a shape no plan was made for: raises before the step allocates (on_over_budget="raise")
+            unplanned = {k: v[:, : v.shape[1] - 8] if v.dim() == 2 else v for k, v in inputs.items()}
+            u: dict = {"step": "unplanned shape", "raised": False}
+            try:
+                with AllocatorMeter(extra=list(ours.parameters())) as m:
+                    with libra.apply(ours, plans):
+                        step(ours, unplanned)
+            except libra.UnplannedInputsError:
+                u["raised"] = True
+            u["allocated_before_raising_bytes"] = m.peak_bytes - m.start_bytes
+            for opt in opts:
+                opt.zero_grad(set_to_none=True)
+            c["unplanned"] = u
+    del eager, ours, opts, prof, planning, others
     gc.collect()
     return rec
 
@@ -327,7 +358,9 @@ def summarize(c: dict) -> dict:
     out = {
         "worst_measured": max((s["measured_peak_bytes"] for s in ok), default=None),
         "worst_over": max((s["over_bytes"] for s in ok), default=None),
-        "within": all(s["within_tolerance"] for s in ok) if ok else None,
+        "within": (all(s["within_tolerance"] for s in ok) if ok else None) if "unplanned" not in c else (
+            bool(ok) and all(s["within_tolerance"] for s in ok) and c["unplanned"]["raised"]
+            and c["unplanned"]["allocated_before_raising_bytes"] <= 64 * KiB),
         "grads": all(s["grads_equal"] for s in ok) if ok else None,
         "errors": [s["error"] for s in c["steps"] if "error" in s],
     }
@@ -393,7 +426,7 @@ def main(argv=None) -> int:
         cases = {k: v for k, v in cases.items() if k in want}
     out_path = RESULTS / (f"real_models_{args.suite}" + ("_only" if args.only else "") + ".json")
     meta = {"suite": args.suite, "torch": torch.__version__, "python": platform.python_version(),
-            "threads": args.threads, "steps_per_case": STEPS,
+            "threads": args.threads, "steps_per_case": STEPS, "steps_per_case_where_named": 10,
             "tolerance": "measured <= budget + 1% of budget + 256 KiB", "libra": libra.__version__}
     try:
         import transformers
@@ -407,10 +440,10 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001
         pass
     records = []
-    for name, (build, inputs, loss_fn, desc) in cases.items():
+    for name, (build, inputs, loss_fn, desc, *more) in cases.items():
         print(f"[real_models] {name} ({desc}) ...", file=sys.stderr, flush=True)
         try:
-            rec = run_model(name, build, inputs, loss_fn, desc)
+            rec = run_model(name, build, inputs, loss_fn, desc, *more)
         except Exception as e:  # noqa: BLE001
             rec = {"model": name, "input": desc, "error": _tail(e, 12)}
         gc.collect()

@@ -521,7 +521,7 @@ def test_expert_with_data_dependent_input_shape_is_recomputed_whole(caplog):
 def test_a_layer_the_profiled_step_dropped_is_recomputed_whole(caplog, share):
     """NOTE [Unprofiled siblings]: the profiled step skipped block 2, later steps run it; it is recomputed whole
     like its planned siblings, so the step stays under the budget (it kept everything before: over eager's own
-    peak on a Whisper with layer drop 0.3). At the named minimum, planned to the byte, the plan reserves the input
+    peak on a Whisper with layer drop 0.3). At the named minimum, planned to the byte, the plan reserves what
     block 2 then holds (NOTE [Layers the profiled step skipped]): without the reserve it ran 136,128 bytes over."""
     def skip(i, model):
         model.skip = 2 if i == 0 else None
@@ -534,8 +534,9 @@ def test_a_layer_the_profiled_step_dropped_is_recomputed_whole(caplog, share):
     planning = Planning(res.profile)
     assert planning.unprofiled == ["blocks.2"] and planning.reserve_bytes > 0
     assert any("reserved" in r.getMessage() and "blocks.2" in r.getMessage() for r in caplog.records)
-    if share == 0.0:  # the step that runs block 2 reaches the prediction, which includes the reserve
-        assert max(m.peak_bytes for _, m in res.meters) == res.plan.predicted_peak_bytes
+    if share == 0.0:  # the step that runs block 2 needs part of the reserve (its input), not all (its gradients)
+        worst = max(m.peak_bytes for _, m in res.meters)
+        assert res.plan.predicted_peak_bytes - planning.reserve_bytes < worst <= res.plan.predicted_peak_bytes
     if share != 0.5:
         return
     keep_all = copy.deepcopy(res.plan)

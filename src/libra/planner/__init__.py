@@ -33,8 +33,11 @@ SAFETY_MARGIN = 0.01
 # NOTE [Layers the profiled step skipped]: with layer drop (Whisper's, stochastic depth) the profiled step skips some
 # layers that later steps run. The runtime runs such a layer recomputed whole, like its planned sibling (NOTE
 # [Unprofiled siblings] in runtime/apply.py), so it holds its input (and its checkpoint's generator state) from its
-# forward to its backward: bytes the profiled step never held. Plans reserve them: the simulator's peak must stay
-# that far under the budget, the named minimum and the predicted peak include them. A plan that recomputes none of
+# forward to its backward, and its backward makes gradients for its parameters: bytes the profiled step never held.
+# Plans reserve them: the simulator's peak must stay that far under the budget, the named minimum and the predicted
+# peak include them. (Its replay holds what its sibling's replay holds, at a moment of the backward with no replay
+# in the profiled step, which needs no reserve.) With the inputs alone, a Whisper with layer drop 0.3 ran 0.8 MiB
+# over its minimum on the one step of ten that ran every layer: the four skipped layers' gradients. A plan that recomputes none of
 # a skipped layer's siblings (a budget near eager's peak) runs that layer eagerly, which the reserve does not cover.
 
 FAMILY_MAX_UNITS = 128  # selections with more units plan with the front alone (NOTE [Option family])

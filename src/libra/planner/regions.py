@@ -17,7 +17,10 @@ where eager frees it as soon as the forward is done with it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+import torch
 
 from libra.profiler.types import Profile
 
@@ -380,14 +383,16 @@ def unprofiled_siblings(profile: Profile) -> dict[str, int]:
 
 
 def unprofiled_input_bytes(profile: Profile) -> int:
-    """Bytes a later step may hold beyond the profiled one for the modules :func:`unprofiled_siblings` finds: each
-    one's input, as its called sibling's (the non-static storages its ops read that were made before it began),
-    held from its forward to its backward, and the generator state its checkpoint stashes (NOTE [RNG state] in
-    simulate.py)."""
+    """Bytes a later step may hold beyond the profiled one for the modules :func:`unprofiled_siblings` finds: for
+    each, its input, as its called sibling's (the non-static storages its ops read that were made before it began),
+    held from its forward to its backward; the generator state its checkpoint stashes (NOTE [RNG state] in
+    simulate.py); and the gradients of its parameters, which the profiled step never made (counted as the bytes
+    of its parameters and buffers: the profile does not tell them apart)."""
     total = 0
-    for ci in unprofiled_siblings(profile).values():
-        total += profile.rng_state_bytes
+    dtype_bytes: dict[str, int] = {}
+    for fqn, ci in unprofiled_siblings(profile).items():
         call = profile.module_calls[ci]
+        total += profile.rng_state_bytes
         seen: set[int] = set()
         for i in range(call.start_op, call.end_op):
             for s in profile.ops[i].inputs:
@@ -395,4 +400,9 @@ def unprofiled_input_bytes(profile: Profile) -> int:
                 if s not in seen and not rec.static and rec.alloc_op < call.start_op:
                     seen.add(s)
                     total += rec.nbytes
+        for name, shape, dtype in profile.parameters:
+            if name.startswith(fqn + "."):
+                if dtype not in dtype_bytes:
+                    dtype_bytes[dtype] = getattr(torch, dtype.replace("torch.", "")).itemsize
+                total += math.prod(shape) * dtype_bytes[dtype]
     return total
