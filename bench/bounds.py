@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 
-import libra
 from bench.machine import machine_info
-from bench.models import build
+from bench.models import profile_workload
 from libra.planner import Planning
 from libra.planner.simulate import PLAIN
 
@@ -60,19 +59,8 @@ def _checkpoint_every_block(planning: Planning, blocks: set[str]) -> tuple[int, 
 
 
 def model_bounds(name: str) -> dict:
-    torch.manual_seed(0)
-    work = build(name, quick=False)
+    work, prof = profile_workload(name)
     model = work.model
-    model.train()
-
-    def step():
-        work.loss_fn(model(work.inputs), work.targets).backward()
-
-    for _ in range(2):
-        step()
-    model.zero_grad(set_to_none=True)
-    prof = libra.profile(model, step)
-    model.zero_grad(set_to_none=True)
     free = copy.deepcopy(prof)
     # next to nothing, plain checkpoint a hair cheaper than Libra's modes, as measured (plain regions then still
     # win where they fit: NOTE [Plain regions])

@@ -93,3 +93,24 @@ def build(name: str, quick: bool, seed: int = 0) -> Workload:
     work = spec["build"](cfg, seed)
     work.config = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
     return work
+
+
+def profile_workload(name: str, quick: bool = False, warmup: int = 2):
+    """``(workload, profile)``: the workload ``name`` (seed 0) in train mode, profiled after ``warmup`` plain steps,
+    with its gradients cleared."""
+    import libra
+
+    torch.manual_seed(0)
+    work = build(name, quick=quick)
+    model = work.model
+    model.train()
+
+    def step():
+        work.loss_fn(model(work.inputs), work.targets).backward()
+
+    for _ in range(warmup):
+        step()
+    model.zero_grad(set_to_none=True)
+    prof = libra.profile(model, step)
+    model.zero_grad(set_to_none=True)
+    return work, prof

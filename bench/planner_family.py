@@ -45,21 +45,9 @@ def _steady(profile: libra.Profile) -> libra.Profile:
 
 
 def _profile_model(name: str) -> libra.Profile:
-    from bench.models import build
+    from bench.models import profile_workload
 
-    work = build(name, quick=False)
-    model = work.model
-    model.train()
-
-    def step():
-        work.loss_fn(model(work.inputs), work.targets).backward()
-
-    for _ in range(2):
-        step()
-        model.zero_grad(set_to_none=True)
-    prof = libra.profile(model, step)
-    model.zero_grad(set_to_none=True)
-    return prof
+    return profile_workload(name)[1]
 
 
 def _best(planning: Planning, target: int, pick) -> float | None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from libra.planner.simulate import Simulator
 
-__all__ = ["Effects", "PeakTree", "RECOMPUTE", "OFFLOAD", "merged"]
+__all__ = ["Effects", "PeakTree", "RECOMPUTE", "OFFLOAD", "merged", "longest_prefix"]
 
 RECOMPUTE, OFFLOAD = "recompute", "offload"
 
@@ -334,3 +334,19 @@ class PeakTree:
 
     def curve(self) -> np.ndarray:
         return np.cumsum(np.array(self._sum[self.size:self.size + self.n], dtype=np.int64))
+
+
+def longest_prefix(n: int, fits) -> int:
+    """The largest ``k <= n`` for which ``fits(k)`` holds (``fits(0)`` does), trusting that a prefix of a fitting
+    prefix fits too: ``n`` first (the estimate that chose the changes is usually right), else a bisection,
+    O(log n) calls."""
+    if n == 0 or fits(n):
+        return n
+    lo, hi = 0, n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

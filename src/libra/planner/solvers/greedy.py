@@ -16,13 +16,12 @@ and every solve runs the full simulator O(log k) times, not once per move.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 
 import numpy as np
 
 from libra.planner.simulate import SimResult, Simulator, State
-from libra.planner.solvers.effects import OFFLOAD, RECOMPUTE, Effects, PeakTree
+from libra.planner.solvers.effects import OFFLOAD, RECOMPUTE, Effects, PeakTree, longest_prefix
 from libra.planner.solvers.front import Front, default_ladder
 
 __all__ = ["Effects", "full_state", "state_for", "solve", "solve_at", "RECOMPUTE", "OFFLOAD"]
@@ -92,23 +91,7 @@ def without_idle_units(sim: Simulator, fx: Effects, state: State) -> State:
         return {u: c for u, c in state.items() if u not in gone}
 
     limit = int(live.max())
-    return rest(_longest_prefix(len(dropped), lambda k: sim.run(rest(k)).peak_bytes <= limit))
-
-
-def _longest_prefix(n: int, fits) -> int:
-    """The largest ``k <= n`` for which ``fits(k)`` holds (``fits(0)`` does), trusting that a prefix of a fitting
-    prefix fits too: ``n`` first (the estimate that chose the changes is usually right), else a bisection,
-    O(log n) calls."""
-    if n == 0 or fits(n):
-        return n
-    lo, hi = 0, n
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return rest(longest_prefix(len(dropped), lambda k: sim.run(rest(k)).peak_bytes <= limit))
 
 
 def _moves_of(fx: Effects, state: State) -> list[int]:
@@ -394,7 +377,7 @@ class _Search:
                 fitting[k] = (rest, curve)
             return k in fitting
 
-        return fitting[_longest_prefix(len(removed), fits)]
+        return fitting[longest_prefix(len(removed), fits)]
 
     # ---- trials -------------------------------------------------------------------------------------------------
     def trial(self, chosen: list, live_tree: PeakTree, drop_unit: int, add: list[int]) -> list | None:

@@ -42,7 +42,7 @@ import numpy as np
 
 from libra.planner.problem import Choice, Problem
 from libra.planner.simulate import State
-from libra.planner.solvers.effects import PeakTree
+from libra.planner.solvers.effects import PeakTree, longest_prefix
 
 __all__ = ["Family", "grow", "path", "trim", "RUNGS", "PATH_PLANS"]
 
@@ -94,56 +94,39 @@ def _arrays(problem: Problem, choice: Choice) -> tuple[np.ndarray, np.ndarray]:
     return current, unit_cost
 
 
-def grow(problem: Problem, budget: int, choice: Choice, tree: PeakTree) -> bool:
-    """Switches units to better options at the estimated peak until it fits ``budget``; False when no option frees
-    bytes at some peak (``choice`` and ``tree`` are left where it stopped). Each option is taken at most once."""
+def _growth(problem: Problem, choice: Choice, tree: PeakTree, budget: int | None = None):
+    """Switches units, one per step, to the best option at the estimated peak (``choice`` and ``tree`` change in
+    place), yielding after each; ends when no option frees bytes at the peak, or when the peak fits ``budget``.
+    Each option is taken at most once."""
     current, unit_cost = _arrays(problem, choice)
     used = np.zeros(len(problem.options), dtype=bool)
     used[current[current >= 0]] = True
     while True:
         peak, _ = tree.peak()
-        if peak <= budget:
-            return True
-        o = _best_switch(problem, tree, current, unit_cost, peak - budget, used)
+        if budget is not None and peak <= budget:
+            return
+        o = _best_switch(problem, tree, current, unit_cost, None if budget is None else peak - budget, used)
         if o is None:
-            return False
+            return
         ui = int(problem.unit_of[o])
         _switch(problem, tree, choice, ui, o)
         tree.forget()
         current[ui], unit_cost[ui], used[o] = o, problem.cost[o], True
+        yield
+
+
+def grow(problem: Problem, budget: int, choice: Choice, tree: PeakTree) -> bool:
+    """Grows ``choice`` until its estimate fits ``budget``; False when no option frees bytes at some peak
+    (``choice`` and ``tree`` are left where it stopped)."""
+    for _ in _growth(problem, choice, tree, budget):
+        pass
+    return tree.peak()[0] <= budget
 
 
 def path(problem: Problem) -> list[Choice]:
     """The growth path with no budget: the choice after each switch, from eager to the lowest estimated peak."""
     choice: Choice = {}
-    tree = PeakTree(problem.eager)
-    current, unit_cost = _arrays(problem, choice)
-    used = np.zeros(len(problem.options), dtype=bool)
-    out = []
-    while True:
-        o = _best_switch(problem, tree, current, unit_cost, None, used)
-        if o is None:
-            return out
-        ui = int(problem.unit_of[o])
-        _switch(problem, tree, choice, ui, o)
-        tree.forget()
-        current[ui], unit_cost[ui], used[o] = o, problem.cost[o], True
-        out.append(dict(choice))
-
-
-def _longest_prefix(n: int, fits) -> int:
-    """The largest ``k <= n`` with ``fits(k)`` (``fits(0)`` holds), trusting prefixes of fitting prefixes to fit:
-    ``n`` first, else a bisection, O(log n) calls."""
-    if n == 0 or fits(n):
-        return n
-    lo, hi = 0, n
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return [dict(choice) for _ in _growth(problem, choice, PeakTree(problem.eager))]
 
 
 def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tuple[Choice, np.ndarray]:
@@ -187,7 +170,7 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tup
             fitting[k] = (trial, curve)
         return k in fitting
 
-    return fitting[_longest_prefix(len(drops), fits)]
+    return fitting[longest_prefix(len(drops), fits)]
 
 
 def _grow_verified(problem: Problem, budget: int, choice: Choice,
