@@ -200,3 +200,10 @@ def test_estimated_times_are_for_fake_profiles_and_meta_needs_a_device():
         libra.profile(cpu, lambda: cpu(x).sum().backward(), fake=True, timing="fast")
     with pytest.raises(LibraError, match="fake should be True or a device"):
         libra.profile(cpu, lambda: cpu(x).sum().backward(), fake="gpu please")
+
+
+def test_estimated_times_warn_where_convolutions_hide_their_temporaries(caplog):
+    model, x, y, loss_fn = models.make_resnet(batch=2, size=16)
+    with caplog.at_level("WARNING", logger="libra"):
+        libra.profile(model, lambda: loss_fn(model(x), y).backward(), fake=True, timing="estimate")
+    assert any("convolution ops" in r.getMessage() and "timing='benchmark'" in r.getMessage() for r in caplog.records)

@@ -362,6 +362,13 @@ class StepRecording:
         if self.fake is not None and self.fake.timing == "estimate":  # NOTE [Estimated op times]
             seconds = estimate_ops(recorder.calls, self.device)
             transient = [0] * len(seconds)
+            convs = sum(1 for o in ops if "convolution" in o.name)
+            if convs:
+                log.warning(
+                    "libra.profile: op times are estimated and kernels' temporary memory is not measured, and this "
+                    "step runs %d convolution ops, whose temporaries can take MiBs each: a plan made from this "
+                    "profile can run over its budget by them. Fix: timing='benchmark' where each op fits on the "
+                    "device alone.", convs)
         elif self.fake is not None:  # NOTE [Fake profiles]: times and temporaries from each op run alone, for real
             seconds, transient = benchmark_ops(recorder.calls, self.device)
         if self.fake is not None:
