@@ -201,6 +201,7 @@ class Family:
 
     @property
     def members(self) -> list[tuple[float, int, State]]:
+        """``(simulated added seconds, simulated peak, state)`` of every member, cheapest first."""
         if self._members is None:
             self._members = self._build()
         return self._members
