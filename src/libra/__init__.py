@@ -8,7 +8,7 @@ from libra.errors import BudgetInfeasibleError, LibraError, PlanFormatError, Pla
 from libra.fit import BatchFit, max_batch
 from libra.planner import plan
 from libra.planner.types import Decision, Plan
-from libra.profiler import profile
+from libra.api import profile
 from libra.profiler.types import Profile
 from libra.runtime import apply
 

@@ -20,7 +20,7 @@ from typing import Callable
 from libra.errors import BudgetInfeasibleError, LibraError
 from libra.planner import Planning, plan
 from libra.planner.types import Plan
-from libra.profiler import profile
+from libra.api import profile
 from libra.profiler.types import Profile
 from libra.units import format_bytes, parse_bytes
 

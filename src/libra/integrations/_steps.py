@@ -26,7 +26,8 @@ from libra._ops import input_signature, storage_key
 from libra.errors import BudgetInfeasibleError, LibraError
 from libra.planner import plan as make_plan
 from libra.planner.types import Decision, Plan
-from libra.profiler import _model_device, profile
+from libra.api import profile
+from libra.profiler import model_device
 from libra.profiler.types import Profile
 from libra.runtime.apply import apply
 from libra.units import format_bytes, parse_bytes
@@ -117,7 +118,7 @@ class StepPlans:
         self.profiles_made = 0
 
     def _key(self, model, optimizer, args, kwargs) -> tuple[tuple[str, ...], int]:
-        return tuple(input_signature(args, kwargs)), held_bytes(model, optimizer, _model_device(model))
+        return tuple(input_signature(args, kwargs)), held_bytes(model, optimizer, model_device(model))
 
     def cached(self, model: torch.nn.Module, optimizer, args, kwargs) -> Plan | None:
         """The plan for a step whose root call gets ``args`` and ``kwargs``, if one needs no profiling."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from libra.errors import LibraError
+from libra.planner import _host_bandwidth
 from libra.planner.regions import GRANULARITIES, Unit, analyse
 from libra.planner.simulate import HOOKED, PLAIN, Simulator, State
 from libra.planner.types import Plan
@@ -122,8 +123,6 @@ def memory_timeline(profile: Profile, plan: Plan, *, host_bandwidth: float | Non
         )
     bandwidth = None
     if any(r.offload or r.hooked for r in plan.regions):
-        from libra.planner import _host_bandwidth
-
         bandwidth = _host_bandwidth(profile, host_bandwidth)
         if bandwidth is None:
             raise LibraError(

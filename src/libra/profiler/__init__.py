@@ -1,4 +1,5 @@
-"""Profiler: runs one training step under recording and returns a :class:`Profile`."""
+"""Profiler: records one training step (:class:`StepRecording`) into a :class:`Profile`; ``libra.profile`` in
+``libra/api.py`` runs it and adds the runtime's calibrations."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from libra.profiler.recorder import (ModuleProbes, Recorder, dispatch_overhead_s
 from libra.profiler.types import ModuleCall, OpRecord, PackRecord, Profile, StorageRecord
 from libra.units import format_bytes
 
-__all__ = ["profile", "StepRecording", "Profile", "OpRecord", "StorageRecord", "PackRecord", "ModuleCall", "model_signature"]
+__all__ = ["StepRecording", "FakeStep", "Profile", "OpRecord", "StorageRecord", "PackRecord", "ModuleCall",
+           "model_signature", "model_device", "dispatch_overhead_seconds"]
 
 log = logging.getLogger("libra")
 
@@ -32,89 +34,13 @@ def model_signature(model: torch.nn.Module) -> list[tuple[str, list[int], str]]:
     return entries
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's first parameter (else buffer; the CPU if it has neither)."""
     for t in model.parameters():
         return t.device
     for t in model.buffers():
         return t.device
     return torch.device("cpu")
-
-
-def profile(model: torch.nn.Module, step: Callable[[], object], *, fake: bool | str | torch.device = False,
-            timing: str = "benchmark") -> Profile:
-    """Runs ``step()`` once under recording and returns what it did.
-
-    ``step`` is one training step's forward and backward (``loss_fn(model(x), y).backward()``); its gradients,
-    buffer updates and RNG draws happen exactly as in a plain call. Profile after a warm-up step if the optimizer
-    creates state lazily, so that the static bytes include it.
-
-    With ``fake=True`` the step runs on fake tensors (NOTE [Fake profiles] in profiler/fake.py): it needs none of
-    eager's memory, trains nothing (gradients, buffers and the RNG are left as they were), and each distinct op is
-    then timed alone on real tensors of its recorded shapes, which also measures its temporary memory. Use it when
-    the eager step does not fit, or to plan for input shapes before any step runs with them. ``fake="cpu"`` or
-    ``fake="cuda:0"`` names the device: a model built on ``meta`` (no memory for its weights) is then profiled as if
-    its parameters lived there.
-
-    Args:
-        model: the module whose submodules may later be recomputed.
-        step: a callable running one forward and backward.
-        fake: run the step on fake tensors: ``True`` on the model's device, or on the device named.
-        timing: with ``fake``, how op times are found: ``"benchmark"`` (each distinct op run alone at its recorded
-            shapes, which also measures its temporary memory) or ``"estimate"`` (from each op's floating-point
-            operations and bytes at the device's measured rates, running nothing at those shapes: for steps too big
-            to time op by op; NOTE [Estimated op times] in profiler/fake.py).
-
-    Returns:
-        A :class:`Profile`.
-
-    Raises:
-        LibraError: ``model`` is not a module or ``step`` not callable; with ``fake=True``, an op of the step cannot
-            run on fake tensors (named, with its module). Whatever ``step`` raises propagates unchanged, with every
-            hook removed.
-
-    Example:
-        >>> prof = libra.profile(model, lambda: loss_fn(model(x), y).backward())
-        >>> prof.eager_peak_bytes > prof.static_bytes
-        True
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise LibraError(f"libra.profile: expected a torch.nn.Module, got {type(model).__name__}.")
-    if not callable(step):
-        raise LibraError(f"libra.profile: expected a callable step, got {type(step).__name__}.")
-    if timing not in ("benchmark", "estimate"):
-        raise LibraError(f"libra.profile: timing should be 'benchmark' or 'estimate', got {timing!r}.")
-    device = _model_device(model)
-    if fake is not False and fake is not True:
-        try:
-            device = torch.device(fake)
-        except (RuntimeError, TypeError) as e:
-            raise LibraError(f"libra.profile: fake should be True or a device such as 'cpu' or 'cuda:0', got "
-                             f"{fake!r} ({e}).") from e
-    if device.type == "meta":
-        raise LibraError(
-            "libra.profile: the model's parameters are on 'meta' (no values, no device): expected the device the "
-            "step will run on. Fix: profile it fake there, libra.profile(model, step, fake='cuda:0') or fake='cpu'."
-        )
-    if timing != "benchmark" and not fake:
-        raise LibraError("libra.profile: timing='estimate' is for fake profiles; a real step times its own ops. "
-                         "Fix: pass fake=True, or leave timing as it is.")
-    fake_step = None
-    if fake is not False:
-        dispatch_overhead_seconds()  # measured on real tensors, before the fake mode is entered
-        fake_step = FakeStep(model, device, timing)
-        fake_step.__enter__()
-    recording = StepRecording(model, fake=fake_step)
-    try:
-        recording.start()
-        step()
-        recording.stop()
-    except BaseException:
-        recording.abort()
-        raise
-    finally:
-        if fake_step is not None:
-            fake_step.__exit__(None, None, None)
-    return recording.finish()
 
 
 class StepRecording:
@@ -127,11 +53,15 @@ class StepRecording:
     thread, where the mode and the hooks were entered.
     """
 
-    def __init__(self, model: torch.nn.Module, root_entered: bool = False, fake: FakeStep | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, root_entered: bool = False, fake: FakeStep | None = None,
+                 calibrate: Callable | None = None) -> None:
         self.model = model
+        # calibrate(ops, storages, device, live) -> (region costs, copy seconds per byte): what the runtime costs on
+        # this device, measured by the caller's layer (the profiler does not import the runtime); None: not measured
+        self.calibrate = calibrate
         self.root_entered = root_entered
         self.fake = fake
-        self.device = fake.device if fake is not None else _model_device(model)
+        self.device = fake.device if fake is not None else model_device(model)
         self.recorder: Recorder | None = None
         self.probes: ModuleProbes | None = None
         self._hooks = None
@@ -282,32 +212,6 @@ class StepRecording:
         """Stops recording and removes what can be removed now (see :meth:`release`); discards what was recorded."""
         self._exit()
 
-    def _region_costs(self, ops, storages):
-        """What the region executor costs on this device at the step's typical activation size (NOTE [Region
-        overhead] in runtime/calibrate.py), measured now that the step is over. A recording inside a live step
-        (finished from a backward callback) only reads what was measured before; empty (the planner's fallback)
-        if nothing was."""
-        from libra.runtime.calibrate import cached_region_costs, region_costs  # runtime imports us
-
-        sizes = sorted(storages[s].nbytes for o in ops if not o.backward for s in o.outputs)
-        typical = sizes[len(sizes) // 2] if sizes else 0
-        if self.root_entered:
-            return cached_region_costs(self.device, typical) or ()
-        return region_costs(self.device, typical)
-
-    def _copy_cost(self, ops, storages) -> float:
-        """Seconds per byte of a clone on this device (NOTE [Copy cost] in planner/simulate.py), measured at the
-        size of the largest activation the forward writes in place (what a region's copy-on-write clones), else
-        at the median activation size; 0.0 (the planner's fallback) inside a live step if nothing was measured."""
-        from libra.runtime.calibrate import cached_copy_seconds_per_byte, copy_seconds_per_byte
-
-        written = [storages[s].nbytes for o in ops if not o.backward for s in o.writes if not storages[s].static]
-        sizes = sorted(storages[s].nbytes for o in ops if not o.backward for s in o.outputs)
-        size = max(written) if written else sizes[len(sizes) // 2] if sizes else 0
-        if self.root_entered:
-            return cached_copy_seconds_per_byte(self.device, size)
-        return copy_seconds_per_byte(self.device, size)
-
     def _allocator_truth(self, recorder: Recorder) -> tuple[int, int]:
         """Sets each op's ``transient_bytes`` from the allocator (NOTE [Allocator truth]) and returns the step's
         peak as the simulator will see it (live storages after each op plus that op's transient bytes) and as the
@@ -378,8 +282,8 @@ class StepRecording:
             self._wall_ns = int(sum(seconds) * 1e9 + recorder.bookkeeping_ns + self.overhead * len(ops) * 1e9)
         eager_peak, allocator_peak = self._allocator_truth(recorder)
         op_seconds = sum(o.seconds for o in ops)
-        costs = self._region_costs(ops, recorder.storages)
-        copy_cost = self._copy_cost(ops, recorder.storages)
+        costs, copy_cost = ((), 0.0) if self.calibrate is None else self.calibrate(
+            ops, recorder.storages, self.device, self.root_entered)
         bandwidth = host_link_bandwidth(self.device)  # on the real device, outside any fake mode
         eager_seconds = max(
             self._wall_ns / 1e9 - recorder.bookkeeping_ns / 1e9 - self.overhead * len(ops), op_seconds

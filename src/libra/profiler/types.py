@@ -7,7 +7,11 @@ inclusive op range ``[alloc_op, free_op]``; ``alloc_op == -1`` marks storages th
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from libra.errors import PlanFormatError
 
 __all__ = ["OpRecord", "StorageRecord", "PackRecord", "ModuleCall", "Profile", "PROFILE_SCHEMA_VERSION"]
 
@@ -143,9 +147,6 @@ class Profile:
 
     def save(self, path) -> None:
         """Writes the profile as JSON (with ``schema_version``)."""
-        import json
-        from pathlib import Path
-
         Path(path).write_text(json.dumps(self.to_dict()) + "\n")
 
     @classmethod
@@ -155,11 +156,6 @@ class Profile:
         Raises:
             PlanFormatError: the file is unreadable, not JSON, of another schema version, or has invalid fields.
         """
-        import json
-        from pathlib import Path
-
-        from libra.errors import PlanFormatError
-
         fix = "Fix: record a new one with libra.profile(model, step).save(path) or `libra profile`."
         try:
             data = json.loads(Path(path).read_text())

@@ -18,6 +18,7 @@ from libra.planner import plan as make_plan
 from libra.planner.types import Decision, Plan, RegionPlan
 from libra._ops import input_signature, kv_cache_args, plain_tensors, storage_key
 from libra.profiler import StepRecording, model_signature
+from libra.runtime.calibrate import step_calibrations
 from libra.runtime.region import HookRun, OffloadContext, PlainRun, RegionRun, debug_enabled
 from libra.units import format_bytes
 
@@ -281,7 +282,7 @@ class _Session:
                     "profiled, and later steps with these inputs get a plan of their own.",
                     list(signature), self.base.input_signature)
         self.variants.profiled += 1
-        self.recording = StepRecording(self.model, root_entered=True)
+        self.recording = StepRecording(self.model, root_entered=True, calibrate=step_calibrations)
         self.recording_signature = signature
         self.recording.start()
         self.recording.enter_root(args, kwargs)

@@ -30,7 +30,7 @@ from libra._ops import op_info
 from libra.planner.types import RegionPlan
 from libra.runtime.region import RegionRun
 
-__all__ = ["RegionCosts", "region_costs", "cached_region_costs"]
+__all__ = ["RegionCosts", "region_costs", "cached_region_costs", "copy_seconds_per_byte", "step_calibrations"]
 
 log = logging.getLogger("libra")
 
@@ -224,3 +224,19 @@ def copy_seconds_per_byte(device: torch.device | str, nbytes: int) -> float:
         log.debug("libra: a clone of %d bytes on %s takes %.2f ms (%.1f GB/s)", size, device,
                   times[len(times) // 2] * 1e3, size / times[len(times) // 2] / 1e9)
     return _COPY_CACHE[key]
+
+
+def step_calibrations(ops, storages, device: torch.device, live: bool) -> tuple[tuple, float]:
+    """What a recorded step's plans will cost to run on ``device`` (``StepRecording``'s ``calibrate``): the region
+    executor's costs at the step's typical (median) forward activation size (NOTE [Region overhead]), and the
+    seconds per byte of a clone at the size of the largest activation the forward writes in place (what a region's
+    copy-on-write clones; NOTE [Copy cost] in planner/simulate.py), else at the typical size. ``live``: a recording
+    finished inside a live step (from a backward callback) only reads what was measured before; empty costs and 0.0
+    (the planner's fallbacks) if nothing was."""
+    sizes = sorted(storages[s].nbytes for o in ops if not o.backward for s in o.outputs)
+    typical = sizes[len(sizes) // 2] if sizes else 0
+    written = [storages[s].nbytes for o in ops if not o.backward for s in o.writes if not storages[s].static]
+    copy_size = max(written) if written else typical
+    if live:
+        return cached_region_costs(device, typical) or (), cached_copy_seconds_per_byte(device, copy_size)
+    return region_costs(device, typical), copy_seconds_per_byte(device, copy_size)
