@@ -15,6 +15,15 @@ from libra.units import format_bytes
 __all__ = ["add_parsers", "load_factory"]
 
 
+def add_fake_options(p, what: str) -> None:
+    """``--fake [DEVICE]`` and ``--timing``, as ``libra.profile`` takes them."""
+    p.add_argument("--fake", nargs="?", const=True, default=False, metavar="DEVICE",
+                   help=f"{what} on fake tensors: no eager memory needed (a DEVICE such as cpu or cuda:0 for a model "
+                        "built on meta)")
+    p.add_argument("--timing", choices=("benchmark", "estimate"), default="benchmark",
+                   help="with --fake: time each op alone (default), or estimate from its operations and bytes")
+
+
 def load_factory(spec: str, command: str = "libra profile"):
     """Resolves ``path/to/script.py:make`` or ``package.module:make`` to the callable it names.
 
@@ -104,11 +113,7 @@ def add_parsers(sub) -> None:
     p.add_argument("factory", help="SCRIPT_OR_MODULE:FACTORY, a callable returning (model, step)")
     p.add_argument("-o", "--output", default="profile.json", help="where to write the profile (profile.json)")
     p.add_argument("--warmup", type=int, default=1, help="plain steps before profiling (default 1; none with --fake)")
-    p.add_argument("--fake", nargs="?", const=True, default=False, metavar="DEVICE",
-                   help="record the step on fake tensors: no eager memory needed (a DEVICE such as cpu or cuda:0 "
-                        "for a model built on meta)")
-    p.add_argument("--timing", choices=("benchmark", "estimate"), default="benchmark",
-                   help="with --fake: time each op alone (default), or estimate from its operations and bytes")
+    add_fake_options(p, "record the step")
     p.set_defaults(run=_profile)
 
     p = sub.add_parser("plan", help="plan a profile under a byte budget")

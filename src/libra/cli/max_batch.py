@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 import libra
-from libra.cli.commands import load_factory
+from libra.cli.commands import add_fake_options, load_factory
 from libra.units import format_bytes, parse_bytes
 
 __all__ = ["add_parser"]
@@ -18,11 +18,7 @@ def add_parser(sub) -> None:
     p.add_argument("--start", type=int, default=1, help="the smallest batch size considered, profiled first (1)")
     p.add_argument("--max-profiles", type=int, default=10, help="profile at most this many sizes (default 10)")
     p.add_argument("--warmup", type=int, default=1, help="plain steps before each profile (default 1)")
-    p.add_argument("--fake", nargs="?", const=True, default=False, metavar="DEVICE",
-                   help="profile each size on fake tensors: no eager memory needed (a DEVICE such as cpu or cuda:0 "
-                        "for a factory that builds its model on meta)")
-    p.add_argument("--timing", choices=("benchmark", "estimate"), default="benchmark",
-                   help="with --fake: time each op alone (default), or estimate from its operations and bytes")
+    add_fake_options(p, "profile each size")
     p.add_argument("-o", "--output", help="where to write the plan at the largest batch (default: not written)")
     p.set_defaults(run=_run)
 

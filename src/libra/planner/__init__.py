@@ -7,7 +7,7 @@ import time
 
 from libra.errors import BudgetInfeasibleError, LibraError
 from libra.planner.problem import Problem
-from libra.planner.regions import GRANULARITIES, Unit, analyse, unprofiled_input_bytes, unprofiled_siblings
+from libra.planner.regions import GRANULARITIES, Unit, analyse, unprofiled_reserve_bytes, unprofiled_siblings
 from libra.planner.simulate import HOOKED, PLAIN, SimResult, Simulator, State, kept_split
 from libra.planner.solvers import front, greedy, milp, options
 from libra.planner.types import PLAN_SCHEMA_VERSION, Decision, Plan, RegionPlan
@@ -37,8 +37,9 @@ SAFETY_MARGIN = 0.01
 # Plans reserve them: the simulator's peak must stay that far under the budget, the named minimum and the predicted
 # peak include them. (Its replay holds what its sibling's replay holds, at a moment of the backward with no replay
 # in the profiled step, which needs no reserve.) With the inputs alone, a Whisper with layer drop 0.3 ran 0.8 MiB
-# over its minimum on the one step of ten that ran every layer: the four skipped layers' gradients. A plan that recomputes none of
-# a skipped layer's siblings (a budget near eager's peak) runs that layer eagerly, which the reserve does not cover.
+# over its minimum on the one step of ten that ran every layer: the four skipped layers' gradients. A plan that
+# recomputes none of a skipped layer's siblings (a budget near eager's peak) runs that layer eagerly, which the
+# reserve does not cover.
 
 FAMILY_MAX_UNITS = 128  # selections with more units plan with the front alone (NOTE [Option family])
 
@@ -204,8 +205,9 @@ class Planning:
         self.units, self.rejected, self.sim = first.units, first.rejected, first.sim
         self.eager = self.sim.run({})
         # NOTE [Layers the profiled step skipped]
-        self.unprofiled = sorted(unprofiled_siblings(profile))
-        self.reserve_bytes = unprofiled_input_bytes(profile)
+        siblings = unprofiled_siblings(profile)
+        self.unprofiled = sorted(siblings)
+        self.reserve_bytes = unprofiled_reserve_bytes(profile, siblings)
 
     @property
     def full_state(self) -> State:

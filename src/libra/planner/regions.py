@@ -24,7 +24,7 @@ import torch
 
 from libra.profiler.types import Profile
 
-__all__ = ["GRANULARITIES", "RegionInstance", "Unit", "analyse", "unprofiled_siblings", "unprofiled_input_bytes"]
+__all__ = ["GRANULARITIES", "RegionInstance", "Unit", "analyse", "unprofiled_siblings", "unprofiled_reserve_bytes"]
 
 
 @dataclass
@@ -355,7 +355,7 @@ def unprofiled_siblings(profile: Profile) -> dict[str, int]:
     as layer drop leaves them. Returns fqn -> index of the called sibling's first module call.
 
     Later steps that run such a module run it recomputed whole (plain checkpoint) when the plan recomputes a sibling,
-    holding its input until its backward: memory the profiled step never needed (:func:`unprofiled_input_bytes`)."""
+    holding its input until its backward: memory the profiled step never needed (:func:`unprofiled_reserve_bytes`)."""
     params: dict[str, dict[str, tuple]] = {}  # module fqn (a container's child) -> its parameters, relative
     for name, shape, dtype in profile.parameters:
         parts = name.split(".")
@@ -365,8 +365,8 @@ def unprofiled_siblings(profile: Profile) -> dict[str, int]:
     first_call: dict[str, int] = {}
     for ci, c in enumerate(profile.module_calls):
         first_call.setdefault(c.module, ci)
-    ran = set(first_call)
-    called = {m for m in ran} | {m.rsplit(".", k)[0] for m in ran for k in range(1, m.count(".") + 1)}
+    # a module counts as called when it or anything inside it was
+    called = set(first_call) | {m.rsplit(".", k)[0] for m in first_call for k in range(1, m.count(".") + 1)}
     by_parent: dict[str, list[str]] = {}
     for fqn in params:
         by_parent.setdefault(fqn.rsplit(".", 1)[0], []).append(fqn)
@@ -382,15 +382,14 @@ def unprofiled_siblings(profile: Profile) -> dict[str, int]:
     return out
 
 
-def unprofiled_input_bytes(profile: Profile) -> int:
-    """Bytes a later step may hold beyond the profiled one for the modules :func:`unprofiled_siblings` finds: for
-    each, its input, as its called sibling's (the non-static storages its ops read that were made before it began),
-    held from its forward to its backward; the generator state its checkpoint stashes (NOTE [RNG state] in
-    simulate.py); and the gradients of its parameters, which the profiled step never made (counted as the bytes
-    of its parameters and buffers: the profile does not tell them apart)."""
+def unprofiled_reserve_bytes(profile: Profile, siblings: dict[str, int]) -> int:
+    """Bytes a later step may hold beyond the profiled one for the modules ``siblings`` (from
+    :func:`unprofiled_siblings`) names: for each, its input, as its called sibling's (the non-static storages its
+    ops read that were made before it began), held from its forward to its backward; the generator state its
+    checkpoint stashes (NOTE [RNG state] in simulate.py); and the gradients of its parameters, which the profiled
+    step never made (counted as the bytes of its parameters and buffers: the profile does not tell them apart)."""
     total = 0
-    dtype_bytes: dict[str, int] = {}
-    for fqn, ci in unprofiled_siblings(profile).items():
+    for fqn, ci in siblings.items():
         call = profile.module_calls[ci]
         total += profile.rng_state_bytes
         seen: set[int] = set()
@@ -400,9 +399,6 @@ def unprofiled_input_bytes(profile: Profile) -> int:
                 if s not in seen and not rec.static and rec.alloc_op < call.start_op:
                     seen.add(s)
                     total += rec.nbytes
-        for name, shape, dtype in profile.parameters:
-            if name.startswith(fqn + "."):
-                if dtype not in dtype_bytes:
-                    dtype_bytes[dtype] = getattr(torch, dtype.replace("torch.", "")).itemsize
-                total += math.prod(shape) * dtype_bytes[dtype]
+        total += sum(math.prod(shape) * getattr(torch, dtype.removeprefix("torch.")).itemsize
+                     for name, shape, dtype in profile.parameters if name.startswith(fqn + "."))
     return total

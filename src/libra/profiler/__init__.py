@@ -82,6 +82,7 @@ class StepRecording:
         if self.fake is not None:  # before the static tensors: the recorder keys them by their fakes
             self.recorder.fake = True
             self.recorder.fake_mode = self.fake.mode
+            self.recorder.estimate = self.fake.timing == "estimate"
             # temporaries measured op by op on real tensors, or not at all (NOTE [Estimated op times])
             self.allocator = "benchmark" if self.fake.timing == "benchmark" else ""
         self.recorder.register_static(
@@ -263,19 +264,19 @@ class StepRecording:
         self._exit()
         recorder, probes = self.recorder, self.probes
         ops = recorder.ops
-        if self.fake is not None and self.fake.timing == "estimate":  # NOTE [Estimated op times]
-            seconds = estimate_ops(recorder.calls, self.device)
-            transient = [0] * len(seconds)
-            convs = sum(1 for o in ops if "convolution" in o.name)
-            if convs:
-                log.warning(
-                    "libra.profile: op times are estimated and kernels' temporary memory is not measured, and this "
-                    "step runs %d convolution ops, whose temporaries can take MiBs each: a plan made from this "
-                    "profile can run over its budget by them. Fix: timing='benchmark' where each op fits on the "
-                    "device alone.", convs)
-        elif self.fake is not None:  # NOTE [Fake profiles]: times and temporaries from each op run alone, for real
-            seconds, transient = benchmark_ops(recorder.calls, self.device)
         if self.fake is not None:
+            if self.recorder.estimate:  # NOTE [Estimated op times]
+                seconds = estimate_ops(recorder.calls, self.device)
+                transient = [0] * len(seconds)
+                convs = sum(1 for o in ops if "convolution" in o.name)
+                if convs:
+                    log.warning(
+                        "libra.profile: op times are estimated and kernels' temporary memory is not measured, and "
+                        "this step runs %d convolution ops, whose temporaries can take MiBs each: a plan made from "
+                        "this profile can run over its budget by them. Fix: timing='benchmark' where each op fits "
+                        "on the device alone.", convs)
+            else:  # NOTE [Fake profiles]: times and temporaries from each op run alone, for real
+                seconds, transient = benchmark_ops(recorder.calls, self.device)
             for op, s, b in zip(ops, seconds, transient):
                 op.seconds, op.transient_bytes = s, b
             recorder.calls = []

@@ -120,12 +120,15 @@ class OpCall:
     __slots__ = ("func", "args", "kwargs", "key", "flops", "nbytes")
 
     def __init__(self, func, args, kwargs, out=None) -> None:
+        """``out``: the op's outputs, given only when op times will be estimated (else flops and bytes stay 0)."""
         self.func = func
         self.args = tree_map(_spec, tuple(args))
         self.kwargs = tree_map(_spec, dict(kwargs))
         self.key = (str(func), repr(self.args), repr(sorted(self.kwargs.items())))
-        self.flops = _flops(func, args, kwargs, out)
-        self.nbytes = sum(t.numel() * t.element_size() for t in _leaves((args, kwargs, out)))
+        self.flops = self.nbytes = 0
+        if out is not None:
+            self.flops = _flops(func, args, kwargs, out)
+            self.nbytes = sum(t.numel() * t.element_size() for t in _leaves((args, kwargs, out)))
 
 
 def _leaves(tree) -> list[torch.Tensor]:

@@ -72,6 +72,7 @@ class Recorder(TorchDispatchMode):
         self.closed = False
         self.mark_ops = False  # bracket each op with a MARKER range (set while the CPU allocator tap is attached)
         self.fake = False  # the step runs on fake tensors (NOTE [Fake profiles] in profiler/fake.py)
+        self.estimate = False  # op times will be estimated from each op's flops and bytes (NOTE [Estimated op times])
         self.fake_mode = None  # and this is its FakeTensorMode
         self._fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id of a real tensor -> (it, its fake)
         self.calls: list = []  # under fake tensors: each op's OpCall, to be benchmarked on real ones
@@ -220,7 +221,7 @@ class Recorder(TorchDispatchMode):
             t0 = time.perf_counter_ns()
             out = self._run_fake(func, info, args, kwargs)
             t1 = time.perf_counter_ns()
-            self.calls.append(OpCall(func, args, kwargs, out))
+            self.calls.append(OpCall(func, args, kwargs, out if self.estimate else None))
         else:
             t0 = time.perf_counter_ns()
             out = func(*args, **kwargs)
