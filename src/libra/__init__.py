@@ -8,9 +8,8 @@ from libra.errors import BudgetInfeasibleError, LibraError, PlanFormatError, Pla
 from libra.fit import BatchFit, max_batch
 from libra.planner import plan
 from libra.planner.types import Decision, Plan
-from libra.api import profile
+from libra.api import apply, profile
 from libra.profiler.types import Profile
-from libra.runtime import apply
 
 __version__ = "0.1.0"
 

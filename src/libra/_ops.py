@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["OpInfo", "op_info", "arg_values", "tensors_in", "storage_key", "plain_tensors", "input_signature",
-           "kv_cache_args", "UNCOUNTED"]
+           "kv_cache_args", "model_signature", "UNCOUNTED"]
 
 # NOTE [Uncounted ops]: checkpoint's own saved-tensor hook detaches every tensor it saves during a replay, so the
 # replay dispatches detach ops the forward never did. detach allocates nothing and is never worth saving: the
@@ -141,3 +141,10 @@ def kv_cache_args(args, kwargs) -> list[str]:
         if callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None)):
             found.append(where)
     return found
+
+
+def model_signature(model: torch.nn.Module) -> list[tuple[str, list[int], str]]:
+    """(name, shape, dtype) of every parameter and buffer: what a plan is checked against before it is applied."""
+    entries = [(name, list(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+    entries += [(name, list(b.shape), str(b.dtype)) for name, b in model.named_buffers()]
+    return entries

@@ -1,22 +1,32 @@
-"""``libra.profile``: the profiler's recording of one step with the runtime's calibrations added.
+"""``libra.profile`` and ``libra.apply``: what joins the profiler, the planner and the runtime.
 
-It lives above the profiler and the runtime (the flow is profiler -> Profile -> planner -> Plan -> runtime, and the
-profiler imports neither of the others): the recording is the profiler's, what a plan will cost to run on the
-device (the region executor's per-op cost, a clone's cost per byte) is measured by the runtime's own code.
+The flow is profiler -> Profile -> planner -> Plan -> runtime, and none of the three imports a later one; this
+module sits above them. ``profile`` is the profiler's recording of one step with the runtime's calibrations added
+(what a plan will cost to run on the device: the region executor's per-op cost, a clone's cost per byte, measured
+by the runtime's own code). ``apply`` is the runtime's with a replanner: a step whose inputs no plan was made for
+is recorded by the profiler and planned by the planner, as the plan in force was (NOTE [Plans per input
+signature] in runtime/apply.py).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 
-from libra.errors import LibraError
+from libra.errors import BudgetInfeasibleError, LibraError
+from libra.planner import plan as make_plan
+from libra.planner.types import Plan
 from libra.profiler import FakeStep, StepRecording, dispatch_overhead_seconds, model_device
 from libra.profiler.types import Profile
+from libra.runtime.apply import apply as _runtime_apply
 from libra.runtime.calibrate import step_calibrations
+from libra.units import format_bytes
 
-__all__ = ["profile"]
+__all__ = ["profile", "apply"]
+
+log = logging.getLogger("libra")
 
 
 def profile(model: torch.nn.Module, step: Callable[[], object], *, fake: bool | str | torch.device = False,
@@ -94,3 +104,63 @@ def profile(model: torch.nn.Module, step: Callable[[], object], *, fake: bool | 
         if fake_step is not None:
             fake_step.__exit__(None, None, None)
     return recording.finish()
+
+
+class _Replanner:
+    """Records a step with new inputs and plans it under the plan in force's budget, solver, allowed decisions and
+    host link (``runtime.apply.Replanner``)."""
+
+    def record(self, model: torch.nn.Module) -> StepRecording:
+        return StepRecording(model, root_entered=True, calibrate=step_calibrations)
+
+    def plan(self, recording: StepRecording, base: Plan, signature: list[str]) -> Plan:
+        prof = recording.finish()
+        # older plan files record no decisions or host link: the defaults
+        how = {"solver": base.solver if base.solver in ("greedy", "milp") else "greedy",
+               "decisions": base.allowed or None, "host_bandwidth": base.host_bandwidth or None}
+        try:
+            return make_plan(prof, base.budget_bytes, **how)
+        except BudgetInfeasibleError as e:
+            log.warning("libra: with inputs %s no plan fits the budget %s; using the smallest peak the planner "
+                        "reaches, %s.", signature, format_bytes(base.budget_bytes), format_bytes(e.min_budget_bytes))
+            return make_plan(prof, e.min_budget_bytes, **how)
+
+
+def apply(model: torch.nn.Module, plan, *, on_over_budget: str = "raise", replan: bool = True, max_plans: int = 4):
+    """Runs the steps inside the ``with`` block under ``plan``.
+
+    The model is the user's own: Libra replaces the ``forward`` of the planned modules by an instance attribute and
+    adds a forward pre-hook and a forward hook to the root; all are removed on exit, also when the block raises.
+    When the plan keeps everything, only the root hooks that check each step's inputs are installed (none with
+    ``replan=False``). ``LIBRA_DISABLE=1`` makes it a no-op; ``LIBRA_DEBUG=1`` logs every op the planned modules
+    run, in forward and in replay, and whether it was saved, offloaded, recomputed or taken from the cache.
+
+    A step whose inputs differ in dtype or shape from those a plan was made for never runs under it. Pass one plan
+    per input signature you train with (a list; plan the others ahead from ``libra.profile(..., fake=True)``, which
+    needs no memory). A step with inputs none of them was made for raises :class:`UnplannedInputsError` before it
+    allocates anything (``on_over_budget="raise"``); with ``"warn"`` it runs without recompute while Libra profiles
+    it, over the budget, and later steps with those inputs run under a plan of their own made for the same budget
+    (one warning per new input signature).
+
+    Args:
+        model: the model the plans were made for (same parameter names, shapes and dtypes).
+        plan: from :func:`libra.plan` or :meth:`libra.Plan.load`, or a list of them for several input signatures
+            (the first is the one steps with unrecorded signatures fall back to).
+        on_over_budget: ``"raise"`` (default) or ``"warn"``: what a step that cannot be kept under the budget does.
+        replan: with ``on_over_budget="warn"``, profile and plan steps with new input signatures (default); with
+            False they run plainly.
+        max_plans: how many plans made on the fly (one per input signature) are kept; the least recently used is
+            dropped.
+
+    Raises:
+        PlanMismatchError: a plan was made for another model; the message names the first differing tensor.
+        UnplannedInputsError: (from the step) its inputs have no plan and ``on_over_budget="raise"``.
+        LibraError: ``apply`` is already active on this model, or the arguments are of the wrong type.
+
+    Example:
+        >>> with libra.apply(model, plan):
+        ...     for x, y in loader:
+        ...         loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+    """
+    return _runtime_apply(model, plan, on_over_budget=on_over_budget, max_plans=max_plans,
+                          replanner=_Replanner() if replan else None)

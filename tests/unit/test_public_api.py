@@ -58,3 +58,34 @@ def test_integrations_snapshot_and_import_nothing_until_asked():
     from libra.integrations import lightning, transformers
 
     assert transformers.__all__ == ["LibraCallback"] and lightning.__all__ == ["LibraCallback"]
+
+
+def test_one_way_flow_between_profiler_planner_and_runtime():
+    """profiler -> Profile -> planner -> Plan -> runtime: no layer imports a later one (only the data types of an
+    earlier one), at module level or inside a function; libra/api.py and libra/fit.py join them from above."""
+    import ast
+    from pathlib import Path
+
+    src = Path(libra.__file__).parent
+    allowed = {
+        "profiler": {"libra.profiler", "libra._ops", "libra._allocator", "libra._forward", "libra.errors", "libra.units"},
+        "planner": {"libra.planner", "libra.profiler.types", "libra._ops", "libra.errors", "libra.units"},
+        "runtime": {"libra.runtime", "libra.planner.types", "libra._ops", "libra._forward", "libra.errors",
+                    "libra.units"},
+    }
+    checked = 0
+    for layer, ok in allowed.items():
+        for path in sorted((src / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                for name in names:
+                    if name == "libra" or name.startswith("libra."):
+                        checked += 1
+                        assert any(name == m or name.startswith(m + ".") for m in ok), (
+                            f"{path.relative_to(src)} imports {name}, outside what the {layer} may import")
+    assert checked > 30

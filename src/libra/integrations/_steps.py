@@ -29,7 +29,7 @@ from libra.planner.types import Decision, Plan
 from libra.api import profile
 from libra.profiler import model_device
 from libra.profiler.types import Profile
-from libra.runtime.apply import apply
+from libra.api import apply
 from libra.units import format_bytes, parse_bytes
 
 log = logging.getLogger("libra")

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from libra._allocator import END_MARKER, TAP, peak_above_start, per_marker_highs
-from libra._ops import plain_tensors, storage_key
+from libra._ops import model_signature, plain_tensors, storage_key
 from libra.errors import LibraError
 from libra.profiler._stacks import insert_hooks_under, insert_mode_under, remove_hooks, remove_mode
 from libra.profiler.fake import FakeStep, benchmark_ops, estimate_ops
@@ -25,13 +25,6 @@ __all__ = ["StepRecording", "FakeStep", "Profile", "OpRecord", "StorageRecord", 
            "model_signature", "model_device", "dispatch_overhead_seconds"]
 
 log = logging.getLogger("libra")
-
-
-def model_signature(model: torch.nn.Module) -> list[tuple[str, list[int], str]]:
-    """(name, shape, dtype) of every parameter and buffer: what a plan is checked against before it is applied."""
-    entries = [(name, list(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
-    entries += [(name, list(b.shape), str(b.dtype)) for name, b in model.named_buffers()]
-    return entries
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

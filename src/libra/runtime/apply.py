@@ -1,4 +1,5 @@
-"""``libra.apply``: installs a plan's regions on the user's module for the duration of a ``with`` block."""
+"""Installs a plan's regions on the user's module for the duration of a ``with`` block (``libra.apply``, in
+``libra/api.py``, adds the profiler and the planner for steps with new inputs: the runtime imports neither)."""
 
 from __future__ import annotations
 
@@ -6,23 +7,20 @@ import collections
 import contextlib
 import logging
 import os
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_leaves
 
 from libra._forward import ForwardSwaps
-from libra.errors import BudgetInfeasibleError, LibraError, PlanMismatchError, UnplannedInputsError
-from libra.planner import plan as make_plan
+from libra.errors import LibraError, PlanMismatchError, UnplannedInputsError
 from libra.planner.types import Decision, Plan, RegionPlan
-from libra._ops import input_signature, kv_cache_args, plain_tensors, storage_key
-from libra.profiler import StepRecording, model_signature
-from libra.runtime.calibrate import step_calibrations
+from libra._ops import input_signature, kv_cache_args, model_signature, plain_tensors, storage_key
 from libra.runtime.region import HookRun, OffloadContext, PlainRun, RegionRun, debug_enabled
 from libra.units import format_bytes
 
-__all__ = ["apply"]
+__all__ = ["apply", "begin_step", "Replanner"]
 
 log = logging.getLogger("libra")
 
@@ -155,6 +153,18 @@ class _RegionForward:
 _PROFILES_PER_PLAN = 4
 
 
+class Replanner(Protocol):
+    """How a session profiles a step with inputs no plan was made for, and plans it (NOTE [Plans per input
+    signature]). ``libra/api.py`` gives one built from the profiler and the planner; without one such steps run
+    plainly."""
+
+    def record(self, model: torch.nn.Module):
+        """A recording of one step of ``model`` whose root call has begun (a ``StepRecording``, not yet started)."""
+
+    def plan(self, recording, base: Plan, signature: list[str]) -> Plan:
+        """The plan for the finished ``recording`` of a step with ``signature``, made as ``base`` was."""
+
+
 class _Variants:
     """The plans made for other input signatures than a plan's own, kept on that plan object."""
 
@@ -171,16 +181,16 @@ def _variants(plan: Plan) -> _Variants:
 class _Session:
     """The hooks of one ``apply`` block. Installs on enter, removes everything on exit."""
 
-    def __init__(self, model: torch.nn.Module, plan: Plan, replan: bool = True, max_plans: int = 4,
+    def __init__(self, model: torch.nn.Module, plan: Plan, replanner: Replanner | None = None, max_plans: int = 4,
                  on_over_budget: str = "raise", given: dict | None = None) -> None:
         self.model = model
         self.base = plan
-        self.replan = replan
+        self.replanner = replanner
         self.on_over_budget = on_over_budget
         self.given: dict[tuple[str, ...], Plan] = given or {}  # plans passed for other input signatures
         self.max_plans = max_plans
         self.variants = _variants(plan)
-        self.recording: StepRecording | None = None
+        self.recording = None  # the replanner's recording of a step with new inputs, while it runs
         self.recording_signature: tuple[str, ...] = ()
         self.lingering: list[StepRecording] = []  # finished recordings not yet off the mode stacks
         self.regions: dict[tuple[str, int], RegionPlan] = {}
@@ -268,7 +278,7 @@ class _Session:
                 "libra.apply(model, [plan, ...]); or pass on_over_budget=\"warn\" to profile such steps as they come.",
                 signature=list(signature),
             )
-        if not self.replan:
+        if self.replanner is None:
             self.note_once(("signature", signature),
                            "libra: inputs %s differ from the planned %s; replan=False, so steps with them run "
                            "without recompute (more memory).", list(signature), self.base.input_signature)
@@ -282,7 +292,7 @@ class _Session:
                     "profiled, and later steps with these inputs get a plan of their own.",
                     list(signature), self.base.input_signature)
         self.variants.profiled += 1
-        self.recording = StepRecording(self.model, root_entered=True, calibrate=step_calibrations)
+        self.recording = self.replanner.record(self.model)
         self.recording_signature = signature
         self.recording.start()
         self.recording.enter_root(args, kwargs)
@@ -317,19 +327,9 @@ class _Session:
             log.info("libra: the profiled step with inputs %s ran no backward; it will be profiled again",
                      list(signature))
             return
-        prof = recording.finish()
+        plan = self.replanner.plan(recording, self.base, list(signature))
         if not recording.released:
             self.lingering.append(recording)
-        budget = self.base.budget_bytes
-        # planned as the base plan was: its solver, its decisions and its host link (older plans: the defaults)
-        how = {"solver": self.base.solver if self.base.solver in ("greedy", "milp") else "greedy",
-               "decisions": self.base.allowed or None, "host_bandwidth": self.base.host_bandwidth or None}
-        try:
-            plan = make_plan(prof, budget, **how)
-        except BudgetInfeasibleError as e:
-            log.warning("libra: with inputs %s no plan fits the budget %s; using the smallest peak the planner "
-                        "reaches, %s.", list(signature), format_bytes(budget), format_bytes(e.min_budget_bytes))
-            plan = make_plan(prof, e.min_budget_bytes, **how)
         plans = self.variants.plans
         plans[signature] = plan
         while len(plans) > self.max_plans:
@@ -386,7 +386,7 @@ class _Session:
         """Marks the model as under a plan and, when the plan checkpoints anything or may be replaced by one for
         other inputs, wraps the planned modules and hooks the root."""
         setattr(self.model, _ACTIVE_ATTR, self)
-        checks = self.base.input_signature and (self.replan or self.on_over_budget == "raise" or self.given)
+        checks = self.base.input_signature and (self.replanner is not None or self.on_over_budget == "raise" or self.given)
         if not self.base.regions and not checks and not self.given:
             return  # with nothing to evict and no inputs to check, install nothing
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True))
@@ -424,43 +424,10 @@ def begin_step(model: torch.nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def apply(model: torch.nn.Module, plan, *, on_over_budget: str = "raise", replan: bool = True,
+def apply(model: torch.nn.Module, plan, *, on_over_budget: str = "raise", replanner: Replanner | None = None,
           max_plans: int = 4) -> Iterator[None]:
-    """Runs the steps inside the ``with`` block under ``plan``.
-
-    The model is the user's own: Libra replaces the ``forward`` of the planned modules by an instance attribute and
-    adds a forward pre-hook and a forward hook to the root; all are removed on exit, also when the block raises.
-    When the plan keeps everything, only the root hooks that check each step's inputs are installed (none with
-    ``replan=False``). ``LIBRA_DISABLE=1`` makes it a no-op; ``LIBRA_DEBUG=1`` logs every op the planned modules
-    run, in forward and in replay, and whether it was saved, offloaded, recomputed or taken from the cache.
-
-    A step whose inputs differ in dtype or shape from those a plan was made for never runs under it. Pass one plan
-    per input signature you train with (a list; plan the others ahead from ``libra.profile(..., fake=True)``, which
-    needs no memory). A step with inputs none of them was made for raises :class:`UnplannedInputsError` before it
-    allocates anything (``on_over_budget="raise"``); with ``"warn"`` it runs without recompute while Libra profiles
-    it, over the budget, and later steps with those inputs run under a plan of their own made for the same budget
-    (one warning per new input signature).
-
-    Args:
-        model: the model the plans were made for (same parameter names, shapes and dtypes).
-        plan: from :func:`libra.plan` or :meth:`libra.Plan.load`, or a list of them for several input signatures
-            (the first is the one steps with unrecorded signatures fall back to).
-        on_over_budget: ``"raise"`` (default) or ``"warn"``: what a step that cannot be kept under the budget does.
-        replan: with ``on_over_budget="warn"``, profile and plan steps with new input signatures (default); with
-            False they run plainly.
-        max_plans: how many plans made on the fly (one per input signature) are kept; the least recently used is
-            dropped.
-
-    Raises:
-        PlanMismatchError: a plan was made for another model; the message names the first differing tensor.
-        UnplannedInputsError: (from the step) its inputs have no plan and ``on_over_budget="raise"``.
-        LibraError: ``apply`` is already active on this model, or the arguments are of the wrong type.
-
-    Example:
-        >>> with libra.apply(model, plan):
-        ...     for x, y in loader:
-        ...         loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
-    """
+    """Runs the steps inside the ``with`` block under ``plan``: :func:`libra.apply` (see there) is this with a
+    ``replanner``, which profiles and plans steps with new inputs (None: they run plainly)."""
     if not isinstance(model, torch.nn.Module):
         raise LibraError(f"libra.apply: expected a torch.nn.Module, got {type(model).__name__}.")
     plans = list(plan) if isinstance(plan, (list, tuple)) else [plan]
@@ -503,7 +470,7 @@ def apply(model: torch.nn.Module, plan, *, on_over_budget: str = "raise", replan
     for p in plans:
         _check_signature(model, p)
     counts = plan.counts
-    session = _Session(model, plan, replan=bool(replan), max_plans=max_plans, on_over_budget=on_over_budget,
+    session = _Session(model, plan, replanner=replanner, max_plans=max_plans, on_over_budget=on_over_budget,
                        given=given)
     try:
         session.install()
