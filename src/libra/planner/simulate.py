@@ -70,12 +70,33 @@ class _ExactSum:
     def __init__(self) -> None:
         self.total = 0
 
+    @classmethod
+    def term(cls, x: float) -> int:
+        """``x`` as the integer the sum adds."""
+        num, den = float(x).as_integer_ratio()
+        return num << (cls._SHIFT + 1 - den.bit_length())
+
     def add(self, x: float) -> None:
         num, den = float(x).as_integer_ratio()
         self.total += num << (self._SHIFT + 1 - den.bit_length())
 
     def value(self) -> float:
         return self.total / (1 << self._SHIFT)
+
+
+class _UnitRecord:
+    """One region unit's own part of a plan's changes (``Simulator._unit_record``); shared, never changed."""
+
+    __slots__ = ("touched", "holders", "copies", "bursts", "held", "base", "lane", "offloads")
+
+    def __init__(self) -> None:
+        self.touched: list[int] = []
+        self.holders: list[tuple[int, int]] = []
+        self.copies: list[list[int]] = []
+        self.bursts: list[tuple[int, int, int]] = []
+        self.held: list[tuple[int, int, int, int]] = []
+        self.base = self.lane = 0
+        self.offloads: list[tuple[int, float, int, int]] = []
 
 
 @dataclass
@@ -168,6 +189,12 @@ class Simulator:
         self._sharing: dict[frozenset[int], tuple[dict, set[int]]] = {}
         self._recent: dict[tuple, tuple[np.ndarray, float]] = {}
         self._unit_times: dict[tuple[int, frozenset[int]], tuple] = {}
+        self._records: dict[tuple[int, frozenset[int]], _UnitRecord] = {}
+        # storage -> (last unpack, saving instance or None) of each save of it
+        self._saves: list[list[tuple[int, tuple[int, int] | None]]] = [
+            [(self.pack_end[pi], self.pack_owner.get(pi)) for pi in self.packs_of.get(s, ())] for s in range(len(st))]
+        self._exact_ops: dict[int, list[int]] = {}
+        self._own_inputs: dict[tuple[int, int], dict[int, list[int]]] = {}
         # plain-Python copies for the per-storage loops (numpy scalar indexing is slow)
         self._nbytes = self.nbytes.tolist()
         self._alloc = self.alloc.tolist()
@@ -206,13 +233,9 @@ class Simulator:
         profile (NOTE [RNG state]); and the added seconds. The cost is linear in
         the size of the units in ``state``, not in the length of the profile.
         """
-        n = self.n
-        nb = self._nbytes
-        alloc = self._alloc
         extra_copies: list[list[int]] = []
         bursts: list[tuple[int, int, int]] = []
         held: list[tuple[int, int, int, int]] = []
-        rng = self.rng_state_bytes
         base = _ExactSum()
         exposed = _ExactSum()
         lane = _ExactSum()
@@ -229,62 +252,97 @@ class Simulator:
             self._offload_span(s, *self._copy_span(s, self.packs_of[s], t_r), replays, touched, holders,
                                extra_copies, exposed, lane)
         for ui, cached in state.items():
-            unit = self.units[ui]
             if cached == HOOKED:
                 self._hooked(ui, replays, touched, holders, extra_copies, base, exposed, lane, shared,
                              offload_inputs)
                 continue
-            plain, offloaded, saved, per_op, per_call = self._entry(ui, cached)
-            in_cache = saved - offloaded
-            for ii, inst in enumerate(unit.instances):
-                last = inst.l_r if inst.l_r >= 0 else n
-                if rng:  # NOTE [RNG state]
-                    held.append((inst.start, last if inst.t_r >= 0 else inst.end - 1, rng, ui))
-                prefetch = _prefetch_point(replays, inst.t_r) if inst.t_r >= 0 else 0
-                producer = inst.producer
-                for k, s in enumerate(inst.sids):
-                    touched[s] = None
-                    local = producer[k]
-                    if local in offloaded:
-                        seconds = nb[s] / self.host_bandwidth
-                        done = bisect.bisect_left(self._op_time, self._op_time[alloc[s]] + seconds)
-                        holders.setdefault(s, []).append(min(done, n))
-                        if inst.t_r >= 0:
-                            extra_copies.append([prefetch, max(last, inst.bwd_end[k]), s])
-                            window = self._op_time[inst.t_r] - self._op_time[prefetch]
-                            exposed.add(max(0.0, seconds - window))
-                        lane.add(2 * seconds)
-                    elif local in saved:
-                        if inst.mutated_at[k] >= 0:  # the cache holds a copy-on-write clone, not the storage
-                            extra_copies.append([inst.mutated_at[k], last, s])
-                            if inst.t_r >= 0 and inst.packed[k] and inst.bwd_end[k] >= inst.t_r:
-                                # and the replay, which writes it again, gets a clone of that clone
-                                extra_copies.append([inst.t_r, inst.bwd_end[k], s])
-                        else:
-                            holders.setdefault(s, []).append(last)
-                    elif inst.packed[k] and inst.t_r >= 0 and inst.bwd_end[k] >= inst.t_r:
-                        extra_copies.append([inst.t_r, inst.bwd_end[k], s])
-                for s in inst.external_inputs:
-                    touched[s] = None
-                    holders.setdefault(s, []).append(last)
-                if inst.t_r >= 0:
-                    self._replay(ui, ii, saved, bursts, base, plain, rng)
-                base.add((inst.end - inst.start) * per_op + per_call)
-                self._clone_seconds(ui, ii, in_cache, base)
+            rec = self._unit_record(ui, cached)
+            for s in rec.touched:
+                touched[s] = None
+            for s, e in rec.holders:
+                holders.setdefault(s, []).append(e)
+            extra_copies.extend(rec.copies)
+            bursts.extend(rec.bursts)
+            held.extend(rec.held)
+            base.total += rec.base
+            lane.total += rec.lane
+            for s, seconds, t_r, end in rec.offloads:  # NOTE [Prefetch]: depends on the other regions' replays
+                prefetch = _prefetch_point(replays, t_r)
+                extra_copies.append([prefetch, end, s])
+                exposed.add(max(0.0, seconds - (self._op_time[t_r] - self._op_time[prefetch])))
         intervals: dict[int, tuple[int, int]] = {}
+        alloc, python_end, saves = self._alloc, self._python_end, self._saves
         for s in touched:
-            a = self._alloc[s]
-            end = max(self._python_end[s], a)
-            for e in holders.get(s, ()):
+            a = alloc[s]
+            end = python_end[s]
+            if a > end:
+                end = a
+            h = holders.get(s)
+            if h:
+                e = max(h)
                 if e > end:
                     end = e
-            for pi in self.packs_of.get(s, ()):
-                if self.pack_end[pi] > end and self.pack_owner.get(pi) not in active:
-                    end = self.pack_end[pi]
+            for e, owner in saves[s]:  # saves made outside the plan's regions still hold it
+                if e > end and owner not in active:
+                    end = e
             intervals[s] = (a, end)
         # copies run on their own lane: exposed where a prefetch is late, and wherever the lane is busier than the step
         added = base.value() + max(exposed.value(), lane.value() - self.profile.eager_step_seconds)
         return intervals, extra_copies, bursts, held, added
+
+    def _unit_record(self, ui: int, cached: frozenset[int]) -> "_UnitRecord":
+        """What region unit ``ui`` keeping ``cached`` (or plain) adds to :meth:`_plan` on its own, remembered per
+        (unit, cached): everything but where its offloads are copied back, which depends on the regions replayed
+        before it (NOTE [Prefetch]); those are left as ``(storage, seconds each way, t_r, end of the copy)``."""
+        key = (ui, cached)
+        rec = self._records.get(key)
+        if rec is not None:
+            return rec
+        n = self.n
+        nb = self._nbytes
+        alloc = self._alloc
+        rng = self.rng_state_bytes
+        unit = self.units[ui]
+        rec = _UnitRecord()
+        base = _ExactSum()
+        lane = _ExactSum()
+        plain, offloaded, saved, per_op, per_call = self._entry(ui, cached)
+        in_cache = saved - offloaded
+        for ii, inst in enumerate(unit.instances):
+            last = inst.l_r if inst.l_r >= 0 else n
+            if rng:  # NOTE [RNG state]
+                rec.held.append((inst.start, last if inst.t_r >= 0 else inst.end - 1, rng, ui))
+            producer = inst.producer
+            for k, s in enumerate(inst.sids):
+                rec.touched.append(s)
+                local = producer[k]
+                if local in offloaded:
+                    seconds = nb[s] / self.host_bandwidth
+                    done = bisect.bisect_left(self._op_time, self._op_time[alloc[s]] + seconds)
+                    rec.holders.append((s, min(done, n)))
+                    if inst.t_r >= 0:
+                        rec.offloads.append((s, seconds, inst.t_r, max(last, inst.bwd_end[k])))
+                    lane.add(2 * seconds)
+                elif local in saved:
+                    if inst.mutated_at[k] >= 0:  # the cache holds a copy-on-write clone, not the storage
+                        rec.copies.append([inst.mutated_at[k], last, s])
+                        if inst.t_r >= 0 and inst.packed[k] and inst.bwd_end[k] >= inst.t_r:
+                            # and the replay, which writes it again, gets a clone of that clone
+                            rec.copies.append([inst.t_r, inst.bwd_end[k], s])
+                    else:
+                        rec.holders.append((s, last))
+                elif inst.packed[k] and inst.t_r >= 0 and inst.bwd_end[k] >= inst.t_r:
+                    rec.copies.append([inst.t_r, inst.bwd_end[k], s])
+            for s in inst.external_inputs:
+                rec.touched.append(s)
+                rec.holders.append((s, last))
+            if inst.t_r >= 0:
+                self._replay(ui, ii, saved, rec.bursts, base, plain, rng)
+            base.add((inst.end - inst.start) * per_op + per_call)
+            self._clone_seconds(ui, ii, in_cache, base)
+        rec.base, rec.lane = base.total, lane.total
+        self._records[key] = rec
+        return rec
 
     def hook_ok(self, ui: int) -> bool:
         """Whether unit ``ui`` may run hooked (NOTE [Hooked regions]): offloading is modelled, plain-checkpoint
@@ -335,12 +393,15 @@ class Simulator:
         return got
 
     def own_input_packs(self, ui: int, ii: int) -> dict[int, list[int]]:
-        """Input storage -> the packs of it that instance ``ii`` of unit ``ui`` makes (inputs it saves)."""
-        out = {}
-        for s in self.units[ui].instances[ii].external_inputs:
-            own = [pi for pi in self.packs_of.get(s, ()) if self.pack_owner.get(pi) == (ui, ii)]
-            if own:
-                out[s] = own
+        """Input storage -> the packs of it that instance ``ii`` of unit ``ui`` makes (inputs it saves); computed
+        once, never to be changed by the caller."""
+        out = self._own_inputs.get((ui, ii))
+        if out is None:
+            out = self._own_inputs[(ui, ii)] = {}
+            for s in self.units[ui].instances[ii].external_inputs:
+                own = [pi for pi in self.packs_of.get(s, ()) if self.pack_owner.get(pi) == (ui, ii)]
+                if own:
+                    out[s] = own
         return out
 
     def _hooked_copies(self, ui: int, ii: int, shared=(), offload_inputs: bool = False):
@@ -459,15 +520,22 @@ class Simulator:
         self._replay_seconds(ui, ii, saved, seconds, plain)
 
     def _replay_seconds(self, ui: int, ii: int, saved: set[int], seconds: "_ExactSum", plain: bool = False) -> None:
-        unit = self.units[ui]
-        inst = unit.instances[ii]
+        inst = self.units[ui].instances[ii]
         span = inst.stop - inst.start
-        k_inst = len(unit.instances)
+        exact = self._exact_op_seconds(ui)
         skip = set() if plain else self.skip_of(ui, saved)
-        for local in range(span):
-            if local not in saved and local not in skip:
-                seconds.add(unit.op_seconds[local] / k_inst)
+        seconds.total += sum(exact[local] for local in range(span) if local not in saved and local not in skip)
         seconds.add(span * (self.plain_costs[1] if plain else self.per_replay_op))
+
+    def _exact_op_seconds(self, ui: int) -> list[int]:
+        """Each op's seconds per instance of unit ``ui`` as :class:`_ExactSum` terms (summed as integers, exactly as
+        adding them one by one would), computed once per unit."""
+        got = self._exact_ops.get(ui)
+        if got is None:
+            unit = self.units[ui]
+            k_inst = len(unit.instances)
+            got = self._exact_ops[ui] = [_ExactSum.term(x / k_inst) for x in unit.op_seconds]
+        return got
 
     def _unit_time(self, ui: int, cached: frozenset[int]):
         """The terms of the added seconds that unit ``ui`` with ``cached`` kept contributes on its own, exactly as
@@ -529,35 +597,35 @@ class Simulator:
         """
         intervals, copies, bursts, held, added = self._plan(state)
         n = self.n
-        nb = self._nbytes
-        free = self._free
-        pos: list[int] = []
-        val: list[int] = []
-        for s, (_, e) in intervals.items():
-            f = free[s]
-            e = min(e, n)
-            if e != f:  # the start is eager's; only the end moves
-                pos.append(f + 1)
-                val.append(nb[s])
-                pos.append(e + 1)
-                val.append(-nb[s])
-        for a, e, src in copies:
-            pos.append(a)
-            val.append(nb[src])
-            pos.append(min(e, n) + 1)
-            val.append(-nb[src])
-        for t, extra, _ in bursts:
-            pos.append(t)
-            val.append(extra)
-            pos.append(t + 1)
-            val.append(-extra)
-        for a, e, nbytes, _ in held:
-            pos.append(a)
-            val.append(nbytes)
-            pos.append(min(e, n) + 1)
-            val.append(-nbytes)
-        p = np.array(pos, dtype=np.int64)
-        v = np.array(val, dtype=np.int64)
+        # spans [start, end] of added bytes: each adds them at its start and takes them off after its end
+        starts, ends, sizes = [], [], []
+        if intervals:
+            sids = np.fromiter(intervals.keys(), dtype=np.int64, count=len(intervals))
+            end = np.minimum(np.fromiter((e for _, e in intervals.values()), dtype=np.int64, count=len(sids)), n)
+            moved = end != self.free[sids]  # the start is eager's; only the end moves
+            starts.append(self.free[sids[moved]] + 1)
+            ends.append(end[moved])
+            sizes.append(self.nbytes[sids[moved]])
+        if copies:
+            c = np.array(copies, dtype=np.int64).reshape(-1, 3)
+            starts.append(c[:, 0])
+            ends.append(np.minimum(c[:, 1], n))
+            sizes.append(self.nbytes[c[:, 2]])
+        if bursts:
+            b = np.array(bursts, dtype=np.int64).reshape(-1, 3)
+            starts.append(b[:, 0])
+            ends.append(b[:, 0])
+            sizes.append(b[:, 1])
+        if held:
+            h = np.array(held, dtype=np.int64).reshape(-1, 4)
+            starts.append(h[:, 0])
+            ends.append(np.minimum(h[:, 1], n))
+            sizes.append(h[:, 2])
+        if not starts:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), added
+        size = np.concatenate(sizes).astype(np.int64)
+        p = np.concatenate(starts + [np.concatenate(ends) + 1])
+        v = np.concatenate([size, -size])
         keep = p <= n
         return p[keep], v[keep], added
 
