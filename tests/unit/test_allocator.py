@@ -5,6 +5,7 @@ measured by the profiler, charged by the simulator, and seen by the test meter; 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 import libra
 from libra.errors import LibraError, PlanFormatError
 from libra.planner import Planning
+from libra.planner.simulate import Simulator
 from libra.testing import AllocatorMeter, LiveBytesMeter, models
 from pairs import train_pair
 
@@ -126,7 +128,6 @@ def test_convnet_plan_holds_its_budget_on_the_allocator(share):
 def test_the_simulator_charges_transient_bytes_at_the_op_and_at_its_replay():
     """NOTE [Transient bytes]: on top of the live bytes after the op, in the forward and again when a region
     replays it in backward."""
-    from libra.planner.simulate import Simulator
     from libra.testing.synthetic import chain_profile
 
     prof = chain_profile(4, 5, seed=3)
@@ -175,14 +176,8 @@ def test_rng_state_of_each_checkpointed_call_is_counted():
     sel = planning.selections[0]
     state = sel.full_state
     assert state
-    with_rng = sel.sim.live(state)[0]
-    sel.sim.rng_state_bytes = 0
-    sel.sim._recent.clear()
-    try:
-        without = sel.sim.live(state)[0]
-    finally:
-        sel.sim.rng_state_bytes = prof.rng_state_bytes
-        sel.sim._recent.clear()
+    with_rng = Simulator(prof, sel.units).live(state)[0]
+    without = Simulator(dataclasses.replace(prof, rng_state_bytes=0), sel.units).live(state)[0]
     calls = sum(len(sel.units[ui].instances) for ui in state)
     assert int((with_rng - without).max()) >= prof.rng_state_bytes
     assert int((with_rng - without).max()) <= (calls + 1) * prof.rng_state_bytes
