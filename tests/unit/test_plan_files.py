@@ -44,16 +44,17 @@ def test_a_plan_records_a_given_host_link(saved):
 
 
 def test_round_trip_of_a_hooked_plan(tmp_path):
-    """A hooked region's ``stay`` (the saves left on the device) survives the file."""
-    from libra.planner.simulate import HOOKED
+    """A hooked region's ``stay`` (the saves left on the device) and prefetch trigger survive the file."""
+    from libra.planner.simulate import EARLY, HOOKED
 
     model, x, y, loss_fn = models.make_resnet(batch=2, size=16)
     prof = libra.profile(model, lambda: loss_fn(model(x), y).backward())
     planning = Planning(prof, 1e10)
     sel = planning.selections[0]
-    state = {ui: HOOKED for ui in range(len(sel.units)) if sel.sim.hook_ok(ui)}
+    state = {ui: HOOKED | {EARLY} for ui in range(len(sel.units)) if sel.sim.hook_ok(ui)}
     plan = planning.build(state, prof.eager_peak_bytes, sel.sim.run(state), "greedy", 0.0, sel)
     assert any(r.hooked and r.stay for r in plan.regions)
+    assert any(r.prefetch_after for r in plan.regions)
     plan.save(tmp_path / "hooked.json")
     assert libra.Plan.load(tmp_path / "hooked.json") == plan
 
@@ -78,6 +79,7 @@ def _edit(path, tmp_path, fn):
         (lambda d: d["decisions"].update({"x:y#0": "teleport"}), "teleport"),
         (lambda d: d.update(predicted_step_seconds="fast"), "should be float"),
         (lambda d: d["regions"][0].update(stay=[0], hooked=False), "not hooked"),
+        (lambda d: d["regions"][0].update(prefetch_after=["blocks.0"]), "prefetch_after should be [module, call]"),
         (lambda d: d.update(allowed=["keep", "teleport"]), "allowed should list decisions"),
         (lambda d: d.update(host_bandwidth=-1.0), "negative"),
         (lambda d: d.update(provenance={"memory": 3}), "provenance should map"),

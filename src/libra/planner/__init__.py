@@ -7,8 +7,8 @@ import time
 
 from libra.errors import BudgetInfeasibleError, LibraError
 from libra.planner.problem import Problem
-from libra.planner.regions import GRANULARITIES, Unit, analyse, unprofiled_reserve_bytes, unprofiled_siblings
-from libra.planner.simulate import HOOKED, PLAIN, SimResult, Simulator, State, kept_split
+from libra.planner.regions import GRANULARITIES, analyse, unprofiled_reserve_bytes, unprofiled_siblings
+from libra.planner.simulate import EARLY, PLAIN, SimResult, Simulator, State, is_hooked, kept_split
 from libra.planner.solvers import front, greedy, milp, options
 from libra.planner.types import PLAN_SCHEMA_VERSION, Decision, Plan, RegionPlan
 from libra.profiler.types import Profile
@@ -344,6 +344,12 @@ class Planning:
             found = ordinals
         return found or []
 
+    @staticmethod
+    def _prefetch_after(sel: Selection, ui: int, early: bool) -> list:
+        """``RegionPlan.prefetch_after`` of unit ``ui`` (NOTE [Prefetch] in simulate.py)."""
+        p = sel.sim.prefetch_trigger[ui]
+        return [sel.units[p].module, sel.units[p].call] if early and p >= 0 else []
+
     def build(self, state: State, budget: int, result: SimResult, solver: str, seconds: float,
               selection: Selection | None = None) -> Plan:
         """The Plan of ``state`` over ``selection``'s units (default: the finest selection)."""
@@ -358,7 +364,7 @@ class Planning:
         for ui in sorted(state, key=lambda u: units[u].instances[0].start):
             unit = units[ui]
             plain = state[ui] == PLAIN
-            hooked = state[ui] == HOOKED
+            hooked = is_hooked(state[ui])
             on_device, offloaded = kept_split(state[ui])
             saved = set() if plain or hooked else unit.forced_save | on_device | offloaded
             for ii, inst in enumerate(unit.instances):
@@ -386,6 +392,7 @@ class Planning:
                     stay=self._stay_ordinals(unit, shared) if hooked else [],
                     offload_inputs=hooked and ui in offload_inputs,
                     plain_ok=unit.plain_ok,
+                    prefetch_after=self._prefetch_after(sel, ui, EARLY in state[ui] and (hooked or bool(offloaded))),
                 )
             )
         keys = self._op_keys()

@@ -35,10 +35,10 @@ _PLAN_FIELDS = {
 }
 # added after schema 1 was first written; absent means "not recorded"
 _OPTIONAL = {"input_signature", "skip", "plain", "hooked", "stay", "offload_inputs", "refused", "plain_ok", "allowed",
-             "host_bandwidth", "provenance"}
+             "host_bandwidth", "provenance", "prefetch_after"}
 _REGION_FIELDS = {"module": str, "call": int, "ops": list, "save": list, "offload": list, "protect": dict,
                   "input_shapes": list, "skip": list, "plain": bool, "hooked": bool, "stay": list,
-                  "offload_inputs": bool, "plain_ok": bool}
+                  "offload_inputs": bool, "plain_ok": bool, "prefetch_after": list}
 _NON_NEGATIVE = {"budget_bytes", "predicted_peak_bytes", "eager_peak_bytes", "static_bytes", "predicted_step_seconds",
                  "eager_step_seconds", "planner_seconds", "host_bandwidth"}
 
@@ -70,6 +70,7 @@ def plan_to_dict(plan: Plan) -> dict:
                 "stay": list(r.stay),
                 "offload_inputs": r.offload_inputs,
                 "plain_ok": r.plain_ok,
+                "prefetch_after": list(r.prefetch_after),
             }
             for r in plan.regions
         ],
@@ -171,10 +172,15 @@ def plan_from_dict(data: dict, path="<dict>") -> Plan:
         offload_inputs = r.get("offload_inputs", False)
         if (stay or offload_inputs) and not hooked:
             raise _fail(path, f"{where} keeps saves on the device (stay) or offloads its inputs but is not hooked")
+        after = r.get("prefetch_after", [])
+        if after and not (len(after) == 2 and isinstance(after[0], str) and isinstance(after[1], int)
+                          and not isinstance(after[1], bool) and after[1] >= 0 and (offload or hooked)):
+            raise _fail(path, f"{where}.prefetch_after should be [module, call] of a region that offloads, "
+                              f"found {after!r}")
         regions.append(RegionPlan(module=r["module"], call=r["call"], ops=list(r["ops"]), save=save,
                                   offload=offload, protect=protect, input_shapes=shapes, skip=skip, plain=plain,
                                   hooked=hooked, stay=stay, offload_inputs=offload_inputs,
-                                  plain_ok=r.get("plain_ok", False)))
+                                  plain_ok=r.get("plain_ok", False), prefetch_after=list(after)))
     parameters = []
     for entry in data["parameters"]:
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[2], str)):

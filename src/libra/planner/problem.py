@@ -8,15 +8,18 @@ is one way to run the unit's calls:
   candidates gets every set of candidates to evict; a larger one gets the prefixes and the suffixes of a few
   orderings of its candidates (most bytes per second of replay first, most bytes first, last in forward first), so
   its list grows linearly, not exponentially (a suffix keeps only the best few: the plans that keep one or two of
-  eight candidates, which the move-level greedy finds on measured op times). Where offloading is allowed, each eviction set comes twice more: offloading what may
-  be offloaded and recomputing the rest, and (when recompute is not allowed) offloading alone.
+  eight candidates, which the move-level greedy finds on measured op times). Where offloading is allowed, each
+  eviction set comes twice more: offloading what may be offloaded and recomputing the rest, and (when recompute is
+  not allowed) offloading alone.
 - ``Mode.PLAIN``: plain ``torch.utils.checkpoint`` (NOTE [Plain regions] in ``simulate.py``), where allowed.
 - ``Mode.HOOKED``: saved-tensor hooks that offload what the call saves (NOTE [Hooked regions]), where allowed.
+- Every option that offloads comes twice where the unit has a prefetch trigger: its copies back at its own first
+  unpack, or ``early``, at the trigger (NOTE [Prefetch] in ``simulate.py``): less memory, or less copy time exposed.
 
 Each option's effect on eager's live-bytes curve is measured by the simulator alone, once, as a sparse difference
 array (NOTE [Sparse effects] in ``solvers/effects.py``), with its added seconds. A plan's estimated curve is eager's
 plus the sum of its options' effects; the estimate ignores how units interact (a storage held by two units ends at
-the later holder, a prefetch starts at the replay before it, hooked calls share copies), so the solvers verify
+the later holder, hooked calls share copies; prefetches start at fixed points, NOTE [Prefetch]), so the solvers verify
 what they choose with the simulator, which stays the single judge.
 """
 
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from libra.planner.simulate import HOOKED, PLAIN, Simulator, State, kept_split
+from libra.planner.simulate import EARLY, HOOKED, PLAIN, Simulator, State, is_hooked, kept_split
 from libra.planner.solvers.effects import OFFLOAD, RECOMPUTE, merged
 
 __all__ = ["Mode", "Option", "Problem", "Choice", "EXHAUSTIVE_CANDIDATES"]
@@ -49,23 +52,25 @@ class Option:
     mode: Mode
     keep: frozenset[int] = frozenset()
     offload: frozenset[int] = frozenset()
+    early: bool = False  # what it offloads comes back at its prefetch trigger (NOTE [Prefetch] in simulate.py)
 
     def entry(self) -> frozenset[int]:
         """The simulator's state entry for this option."""
         if self.mode is Mode.PLAIN:
             return PLAIN
+        flag = frozenset({EARLY}) if self.early else frozenset()
         if self.mode is Mode.HOOKED:
-            return HOOKED
-        return frozenset(self.keep) | frozenset(~j for j in self.offload)
+            return HOOKED | flag
+        return frozenset(self.keep) | frozenset(~j for j in self.offload) | flag
 
     @staticmethod
     def of_entry(entry: frozenset[int]) -> "Option":
         if entry == PLAIN:
             return Option(Mode.PLAIN)
-        if entry == HOOKED:
-            return Option(Mode.HOOKED)
+        if is_hooked(entry):
+            return Option(Mode.HOOKED, early=EARLY in entry)
         keep, offload = kept_split(entry)
-        return Option(Mode.MODES, frozenset(keep), frozenset(offload))
+        return Option(Mode.MODES, frozenset(keep), frozenset(offload), early=bool(offload) and EARLY in entry)
 
 
 Choice = dict[int, int]  # unit index -> option index (into Problem.options)
@@ -114,6 +119,9 @@ def unit_options(sim: Simulator, ui: int, kinds: tuple[str, ...]) -> list[Option
         out.setdefault(Option(Mode.PLAIN), None)
     if OFFLOAD in kinds and sim.hook_ok(ui):
         out.setdefault(Option(Mode.HOOKED), None)
+    if sim.prefetch_trigger[ui] >= 0:  # each offloading option again, its copies back ahead (NOTE [Prefetch])
+        for opt in [o for o in out if o.offload or o.mode is Mode.HOOKED]:
+            out.setdefault(Option(opt.mode, opt.keep, opt.offload, early=True), None)
     return list(out)
 
 

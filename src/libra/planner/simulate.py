@@ -15,7 +15,7 @@ from libra.planner.regions import Unit
 from libra.planner.replay import replay_skip
 from libra.profiler.types import Profile
 
-__all__ = ["Simulator", "SimResult", "State", "kept_split", "PLAIN", "HOOKED"]
+__all__ = ["Simulator", "SimResult", "State", "kept_split", "is_hooked", "PLAIN", "HOOKED", "EARLY"]
 
 # unit index -> the candidates (local op indices) whose outputs are kept: ``j`` keeps them on the device, ``~j``
 # (that is -j-1) in host memory (offloaded). Candidates of a listed unit that are in neither form are recomputed.
@@ -33,8 +33,7 @@ PLAIN: frozenset[int] = frozenset({1 << 40})
 # NOTE [Hooked regions]: a unit whose entry is HOOKED runs under saved-tensor hooks alone: no checkpoint, no
 # dispatch mode, nothing recomputed. Every tensor autograd saves inside the call, except static tensors
 # (parameters, buffers), what escapes it and its inputs, is copied to host memory when it is saved and copied back
-# when the call that runs before it in backward order starts its backward (NOTE [Prefetch]), or at its own first
-# unpack. The device copy lives until the copy out is done and the forward no longer holds it; the copy back, until
+# when the call starts its backward (its first unpack), or, early, when its prefetch trigger does (NOTE [Prefetch]). The device copy lives until the copy out is done and the forward no longer holds it; the copy back, until
 # autograd releases the saving nodes (eager's free time). What escapes the call and its inputs go to host memory too
 # where no call but hooked ones saves them (NOTE [Shared hooked storages]: ``hook_sharing``); else they stay on the
 # device, as in eager (a block output the next, checkpointed, block caches), the escaping ones named by the plan
@@ -43,13 +42,21 @@ PLAIN: frozenset[int] = frozenset({1 << 40})
 # saved tensor). It is what ``save_on_cpu`` does, with a pool of host buffers, copies that overlap compute, and per
 # module call.
 HOOKED: frozenset[int] = frozenset({1 << 41})
+# An entry holding EARLY brings what the unit offloads back at its prefetch trigger, ahead of its own backward
+# (NOTE [Prefetch]); without it, at the unit's own first unpack. ``HOOKED | EARLY`` is the early hooked entry.
+EARLY: int = 1 << 42
+_SENTINELS = 1 << 40
+
+
+def is_hooked(cached: frozenset[int]) -> bool:
+    return (1 << 41) in cached
 
 
 def kept_split(cached: frozenset[int]) -> tuple[set[int], set[int]]:
     """(kept on the device, offloaded) local op indices of one unit's state entry."""
-    if cached == PLAIN or cached == HOOKED:
+    if cached == PLAIN or is_hooked(cached):
         return set(), set()
-    return {j for j in cached if j >= 0}, {~j for j in cached if j < 0}
+    return {j for j in cached if 0 <= j < _SENTINELS}, {~j for j in cached if j < 0}
 
 # Runtime cost model, per op dispatched through Libra's modes (in multiples of a do-nothing dispatch mode's cost),
 # and per checkpointed region call (checkpoint's own bookkeeping, measured on CPU with torch 2.13).
@@ -87,7 +94,7 @@ class _ExactSum:
 class _UnitRecord:
     """One region unit's own part of a plan's changes (``Simulator._unit_record``); shared, never changed."""
 
-    __slots__ = ("touched", "holders", "copies", "bursts", "held", "base", "lane", "offloads")
+    __slots__ = ("touched", "holders", "copies", "bursts", "held", "base", "lane", "exposed", "offloads")
 
     def __init__(self) -> None:
         self.touched: list[int] = []
@@ -95,8 +102,8 @@ class _UnitRecord:
         self.copies: list[list[int]] = []
         self.bursts: list[tuple[int, int, int]] = []
         self.held: list[tuple[int, int, int, int]] = []
-        self.base = self.lane = 0
-        self.offloads: list[tuple[int, float, int, int]] = []
+        self.base = self.lane = self.exposed = 0  # _ExactSum totals
+        self.offloads: list[tuple[int, int, float, int]] = []  # (instance, storage, seconds each way, end of copy)
 
 
 @dataclass
@@ -106,11 +113,36 @@ class SimResult:
     added_seconds: float
 
 
-def _prefetch_point(replays: list[int], t_r: int) -> int:
-    """NOTE [Prefetch]: where copies a region needs at ``t_r`` start back: the replay before it in backward order
-    (``replays`` is every active region's ``t_r``, sorted), or ``t_r`` itself for the first."""
-    pos = bisect.bisect_left(replays, t_r)
-    return replays[pos - 1] if pos > 0 else t_r
+# NOTE [Prefetch]: what a region call offloaded is copied back either when its own backward starts (its first
+# unpack: no copy time hidden, no memory held ahead) or, where its entry holds EARLY, when a fixed call before it in
+# backward order starts its backward: the call of the selection whose backward starts right before this one's,
+# planned or not (the runtime watches an unplanned one with saved-tensor hooks that change nothing, TriggerRun in
+# runtime/region.py). Both points are fixed, so what a unit's option adds does not depend on the other units'
+# options: with the copy back at "the region replayed before it" the effects were not additive and no option program
+# could be exact; with the trigger alone, a lone offloaded unit held its copies through its neighbour's backward and
+# the lowest budgets of random DAG stacks with a fast link rose up to 5%. The runtime knows calls by (module, call
+# within the root call), so the trigger is one unit for all of a unit's instances: where the call before instance
+# ii is not instance ii of one same unit, a unit has no trigger and its copies come back at its own first unpack. A
+# copy back that starts later than simulated holds less memory; the runtime never starts one earlier.
+def prefetch_triggers(units: list[Unit]) -> tuple[list[int], dict[tuple[int, int], int]]:
+    """NOTE [Prefetch]: per unit, the unit whose backward start brings its offloads back (-1: none, its own first
+    unpack does), and per (unit, instance) that replays, the op where its copies start back."""
+    order = sorted((inst.t_r, ui, ii) for ui, unit in enumerate(units)
+                   for ii, inst in enumerate(unit.instances) if inst.t_r >= 0)
+    before = {(u1, i1): (u0, i0) for (t0, u0, i0), (t1, u1, i1) in zip(order, order[1:]) if t0 < t1}
+    trigger: list[int] = []
+    at: dict[tuple[int, int], int] = {}
+    for ui, unit in enumerate(units):
+        first = next((before.get((ui, ii)) for ii, inst in enumerate(unit.instances) if inst.t_r >= 0), None)
+        p = first[0] if first is not None else -1
+        if p >= 0 and (len(units[p].instances) != len(unit.instances) or any(
+                inst.t_r >= 0 and before.get((ui, ii)) != (p, ii) for ii, inst in enumerate(unit.instances))):
+            p = -1
+        trigger.append(p)
+        for ii, inst in enumerate(unit.instances):
+            if inst.t_r >= 0:
+                at[(ui, ii)] = units[p].instances[ii].t_r if p >= 0 else inst.t_r
+    return trigger, at
 
 
 class Simulator:
@@ -186,6 +218,7 @@ class Simulator:
         # each time, as the cache's clones are); older and synthetic profiles fall back to DEFAULT_COPY_BANDWIDTH
         self.copy_seconds_per_byte = profile.copy_seconds_per_byte or 1.0 / DEFAULT_COPY_BANDWIDTH
         self._hook_ok: dict[int, bool] = {}
+        self.prefetch_trigger, self._prefetch_at = prefetch_triggers(units)  # NOTE [Prefetch]
         self._sharing: dict[frozenset[int], tuple[dict, set[int]]] = {}
         self._recent: dict[tuple, tuple[np.ndarray, float]] = {}
         self._unit_times: dict[tuple[int, frozenset[int]], tuple] = {}
@@ -242,18 +275,16 @@ class Simulator:
         active = {(ui, ii) for ui in state for ii in range(len(self.units[ui].instances))}
         holders: dict[int, list[int]] = {}  # storage -> ends of its holders that the plan adds
         touched: dict[int, None] = {}
-        # NOTE [Prefetch]: a region's offloaded outputs are copied back when the region before it in backward order
-        # starts its replay, so the copy overlaps that region's backward.
-        replays = sorted(inst.t_r for ui in state for inst in self.units[ui].instances if inst.t_r >= 0)
-
         shared, offload_inputs = self.hook_sharing(state)
         for s, owners in shared.items():  # NOTE [Shared hooked storages]: one copy for all its calls
             t_r = min(self.units[ui].instances[ii].t_r for ui, ii in owners)  # the first of them in backward
-            self._offload_span(s, *self._copy_span(s, self.packs_of[s], t_r), replays, touched, holders,
-                               extra_copies, exposed, lane)
+            start, t_r, end = self._copy_span(s, self.packs_of[s], t_r)
+            # back at the first trigger of an early owner, else when the first of them starts its backward
+            prefetch = min([t_r] + [self._prefetch_at[o] for o in owners if EARLY in state[o[0]]])
+            self._offload_span(s, start, t_r, end, prefetch, touched, holders, extra_copies, exposed, lane)
         for ui, cached in state.items():
-            if cached == HOOKED:
-                self._hooked(ui, replays, touched, holders, extra_copies, base, exposed, lane, shared,
+            if is_hooked(cached):
+                self._hooked(ui, EARLY in cached, touched, holders, extra_copies, base, exposed, lane, shared,
                              offload_inputs)
                 continue
             rec = self._unit_record(ui, cached)
@@ -266,10 +297,7 @@ class Simulator:
             held.extend(rec.held)
             base.total += rec.base
             lane.total += rec.lane
-            for s, seconds, t_r, end in rec.offloads:  # NOTE [Prefetch]: depends on the other regions' replays
-                prefetch = _prefetch_point(replays, t_r)
-                extra_copies.append([prefetch, end, s])
-                exposed.add(max(0.0, seconds - (self._op_time[t_r] - self._op_time[prefetch])))
+            exposed.total += rec.exposed
         intervals: dict[int, tuple[int, int]] = {}
         alloc, python_end, saves = self._alloc, self._python_end, self._saves
         for s in touched:
@@ -291,12 +319,19 @@ class Simulator:
         return intervals, extra_copies, bursts, held, added
 
     def _unit_record(self, ui: int, cached: frozenset[int]) -> "_UnitRecord":
-        """What region unit ``ui`` keeping ``cached`` (or plain) adds to :meth:`_plan` on its own, remembered per
-        (unit, cached): everything but where its offloads are copied back, which depends on the regions replayed
-        before it (NOTE [Prefetch]); those are left as ``(storage, seconds each way, t_r, end of the copy)``."""
+        """What region unit ``ui`` keeping ``cached`` (or plain) adds to :meth:`_plan`, remembered per (unit,
+        cached): it does not depend on the other units (NOTE [Prefetch])."""
         key = (ui, cached)
         rec = self._records.get(key)
         if rec is not None:
+            return rec
+        if EARLY in cached:  # the same but where the offloads come back: from the record without the flag
+            late = self._unit_record(ui, cached - {EARLY})
+            rec = self._records[key] = _UnitRecord()
+            for slot in ("touched", "holders", "bursts", "held", "base", "lane", "offloads"):
+                setattr(rec, slot, getattr(late, slot))
+            rec.copies = list(late.copies[: len(late.copies) - len(late.offloads)])
+            self._copies_back(ui, cached, rec)
             return rec
         n = self.n
         nb = self._nbytes
@@ -306,6 +341,7 @@ class Simulator:
         rec = _UnitRecord()
         base = _ExactSum()
         lane = _ExactSum()
+        op_time = self._op_time
         plain, offloaded, saved, per_op, per_call = self._entry(ui, cached)
         in_cache = saved - offloaded
         for ii, inst in enumerate(unit.instances):
@@ -318,10 +354,10 @@ class Simulator:
                 local = producer[k]
                 if local in offloaded:
                     seconds = nb[s] / self.host_bandwidth
-                    done = bisect.bisect_left(self._op_time, self._op_time[alloc[s]] + seconds)
+                    done = bisect.bisect_left(op_time, op_time[alloc[s]] + seconds)
                     rec.holders.append((s, min(done, n)))
-                    if inst.t_r >= 0:
-                        rec.offloads.append((s, seconds, inst.t_r, max(last, inst.bwd_end[k])))
+                    if inst.t_r >= 0:  # copied back: _copies_back
+                        rec.offloads.append((ii, s, seconds, max(last, inst.bwd_end[k])))
                     lane.add(2 * seconds)
                 elif local in saved:
                     if inst.mutated_at[k] >= 0:  # the cache holds a copy-on-write clone, not the storage
@@ -341,8 +377,26 @@ class Simulator:
             base.add((inst.end - inst.start) * per_op + per_call)
             self._clone_seconds(ui, ii, in_cache, base)
         rec.base, rec.lane = base.total, lane.total
+        self._copies_back(ui, cached, rec)
         self._records[key] = rec
         return rec
+
+    def _copies_back(self, ui: int, cached: frozenset[int], rec: "_UnitRecord") -> None:
+        """Appends the copies back of ``rec.offloads`` to ``rec.copies`` (last) and sets ``rec.exposed``: from the
+        prefetch point of entry ``cached`` (NOTE [Prefetch])."""
+        op_time = self._op_time
+        exposed = _ExactSum()
+        for ii, s, seconds, end in rec.offloads:
+            prefetch = self.prefetch_at(ui, ii, cached)
+            rec.copies.append([prefetch, end, s])
+            exposed.add(max(0.0, seconds - (op_time[self.units[ui].instances[ii].t_r] - op_time[prefetch])))
+        rec.exposed = exposed.total
+
+    def prefetch_at(self, ui: int, ii: int, cached: frozenset[int]) -> int:
+        """The op where instance ``ii`` of unit ``ui``, entry ``cached``, starts bringing its offloads back: its
+        trigger's first unpack when early, else its own (NOTE [Prefetch])."""
+        inst = self.units[ui].instances[ii]
+        return self._prefetch_at.get((ui, ii), inst.t_r) if EARLY in cached else inst.t_r
 
     def hook_ok(self, ui: int) -> bool:
         """Whether unit ``ui`` may run hooked (NOTE [Hooked regions]): offloading is modelled, plain-checkpoint
@@ -364,7 +418,7 @@ class Simulator:
         other call saves it: a transformer block's residual stream) or shared; where one is neither, it keeps them
         all, and what it keeps cannot be shared. Returns ``(storage -> its saving instances, units whose inputs go
         to host memory)``."""
-        hooked = frozenset(ui for ui, c in state.items() if c == HOOKED)
+        hooked = frozenset(ui for ui, c in state.items() if is_hooked(c))
         got = self._sharing.get(hooked)
         if got is not None:
             return got
@@ -405,8 +459,8 @@ class Simulator:
         return out
 
     def _hooked_copies(self, ui: int, ii: int, shared=(), offload_inputs: bool = False):
-        """(storage, op its copy out starts at, the first unpack, end of the copy back) of what one hooked call
-        copies out on its own: what it makes and saves (escaping storages stay on the device, NOTE [Hooked
+        """(storage, op its copy out starts at, the call's first unpack, end of the copy back) of what one hooked
+        call copies out on its own: what it makes and saves (escaping storages stay on the device, NOTE [Hooked
         regions]) and, with ``offload_inputs``, the inputs it saves; storages in ``shared`` are copied once for
         all their calls (:meth:`hook_sharing`) and not here."""
         inst = self.units[ui].instances[ii]
@@ -431,13 +485,13 @@ class Simulator:
         where that comes in backward (NOTE [Release after unpack]), else ``last``."""
         return max(last, self._free[s]) if self._free[s] >= t_r else last
 
-    def _offload_span(self, s: int, start: int, t_r: int, end: int, replays: list, touched: dict, holders: dict,
+    def _offload_span(self, s: int, start: int, t_r: int, end: int, prefetch: int, touched: dict, holders: dict,
                       extra_copies: list, exposed: "_ExactSum", lane: "_ExactSum") -> None:
-        """One storage to host memory from op ``start`` and back from the prefetch before ``t_r`` until ``end``:
-        the device copy lives until the copy out is done (and its other holders let go), the copy back from the
-        prefetch; the link is busy both ways, and exposed where the prefetch is late."""
+        """One storage to host memory from op ``start`` and back from op ``prefetch`` (NOTE [Prefetch]) until
+        ``end``, first needed at ``t_r``: the device copy lives until the copy out is done (and its other holders
+        let go), the copy back from the prefetch; the link is busy both ways, and exposed where the prefetch is
+        late."""
         seconds = self._nbytes[s] / self.host_bandwidth
-        prefetch = _prefetch_point(replays, t_r)
         touched[s] = None
         done = bisect.bisect_left(self._op_time, self._op_time[start] + seconds)
         holders.setdefault(s, []).append(min(done, self.n))
@@ -446,14 +500,16 @@ class Simulator:
         exposed.add(max(0.0, seconds - (self._op_time[t_r] - self._op_time[prefetch])))
         lane.add(2 * seconds)
 
-    def _hooked(self, ui: int, replays: list, touched: dict, holders: dict, extra_copies: list,
+    def _hooked(self, ui: int, early: bool, touched: dict, holders: dict, extra_copies: list,
                 base: "_ExactSum", exposed: "_ExactSum", lane: "_ExactSum", shared: dict,
                 offload_inputs: set[int]) -> None:
         """A hooked unit's changes to the timeline and its seconds (NOTE [Hooked regions]), added in place; the
         storages it shares with other hooked calls are the caller's (:meth:`hook_sharing`)."""
         for ii, inst in enumerate(self.units[ui].instances):
+            trigger = self._prefetch_at[(ui, ii)]  # hooked calls all unpack (hook_ok)
             for s, start, t_r, end in self._hooked_copies(ui, ii, shared, ui in offload_inputs):
-                self._offload_span(s, start, t_r, end, replays, touched, holders, extra_copies, exposed, lane)
+                self._offload_span(s, start, t_r, end, trigger if early else t_r, touched, holders,
+                                   extra_copies, exposed, lane)
             if ui not in offload_inputs:
                 # the inputs it keeps are saved on the device as in eager: held until autograd lets go of their
                 # saves (eager's free, where that comes in backward: NOTE [Release after unpack])
@@ -539,9 +595,8 @@ class Simulator:
 
     def _unit_time(self, ui: int, cached: frozenset[int]):
         """The terms of the added seconds that unit ``ui`` with ``cached`` kept contributes on its own, exactly as
-        :meth:`_plan` sums them: ``(base, lane, offloads)``, the first two as :class:`_ExactSum` totals, the last
-        ``(t_r, seconds of each offloaded storage)`` per instance that replays (their exposure depends on the
-        region replayed before, NOTE [Prefetch]). Remembered per (unit, cached)."""
+        :meth:`_plan` sums them: ``(base, lane, exposed)`` as :class:`_ExactSum` totals. Remembered per (unit,
+        cached)."""
         got = self._unit_times.get((ui, cached))
         if got is None:
             got = self._unit_times[(ui, cached)] = self._unit_time_of(ui, cached)
@@ -549,24 +604,27 @@ class Simulator:
 
     def _unit_time_of(self, ui: int, cached: frozenset[int]):
         unit = self.units[ui]
-        if cached == HOOKED:  # its copies depend on the other hooked calls (NOTE [Shared hooked storages])
+        if is_hooked(cached):  # its copies depend on the other hooked calls (NOTE [Shared hooked storages])
             raise ValueError("TimeModel follows regions only: chains start from the greedy's plans, never hooked")
         plain, offloaded, saved, per_op, per_call = self._entry(ui, cached)
         in_cache = saved - offloaded
         base = _ExactSum()
         lane = _ExactSum()
-        offloads = []
+        exposed = _ExactSum()
         nb = self._nbytes
+        op_time = self._op_time
         for ii, inst in enumerate(unit.instances):
             secs = [nb[s] / self.host_bandwidth for k, s in enumerate(inst.sids) if inst.producer[k] in offloaded]
             for x in secs:
                 lane.add(2 * x)
             if inst.t_r >= 0:
                 self._replay_seconds(ui, ii, saved, base, plain)
-                offloads.append((inst.t_r, secs))
+                window = op_time[inst.t_r] - op_time[self.prefetch_at(ui, ii, cached)]  # NOTE [Prefetch]
+                for x in secs:
+                    exposed.add(max(0.0, x - window))
             base.add((inst.end - inst.start) * per_op + per_call)
             self._clone_seconds(ui, ii, in_cache, base)
-        return base.total, lane.total, offloads
+        return base.total, lane.total, exposed.total
 
     def _clone_seconds(self, ui: int, ii: int, cached: set[int], seconds: "_ExactSum") -> None:
         """Adds the copying time of one region call's clones to ``seconds``: a kept output that the forward
@@ -677,17 +735,14 @@ class Simulator:
 class TimeModel:
     """The simulator's added seconds of a state that changes one unit at a time, kept up to date in time linear in
     the size of the changed unit: always equal, to the last bit, to ``Simulator.run(state).added_seconds`` (both sum
-    the same terms exactly, :class:`_ExactSum`)."""
+    the same terms exactly, :class:`_ExactSum`, and each unit's terms do not depend on the others: NOTE
+    [Prefetch])."""
 
     def __init__(self, sim: Simulator, state: State | None = None) -> None:
         self.sim = sim
         self.state: State = {}
-        self._terms: dict[int, tuple[int, int, list]] = {}
+        self._terms: dict[int, tuple[int, int, int]] = {}
         self._base = self._lane = self._exposed = 0
-        self._count: dict[int, int] = {}  # t_r -> active replays there
-        self._values: list[int] = []  # sorted distinct active t_r
-        self._offloads: dict[int, list[list]] = {}  # t_r -> [[seconds of its offloads, exposed total, by prefetch]]
-        self._exposures: dict[tuple, dict[int, int]] = {}  # (unit, cached, instance) -> prefetch -> exposed
         for ui, cached in (state or {}).items():
             self.set(ui, cached)
 
@@ -696,66 +751,17 @@ class TimeModel:
         return self._base / scale + max(self._exposed / scale,
                                         self._lane / scale - self.sim.profile.eager_step_seconds)
 
-    def _refresh(self, t: int) -> None:
-        """Recomputes the exposure of the offloads copied back for the replays at ``t``."""
-        groups = self._offloads.get(t)
-        if not groups:
-            return
-        prefetch = _prefetch_point(self._values, t)
-        op_time = self.sim._op_time
-        window = op_time[t] - op_time[prefetch]
-        for group in groups:
-            total = group[2].get(prefetch)
-            if total is None:
-                acc = _ExactSum()
-                for x in group[0]:
-                    acc.add(max(0.0, x - window))
-                total = group[2][prefetch] = acc.total
-            self._exposed += total - group[1]
-            group[1] = total
-
-    def _next_value(self, t: int) -> int | None:
-        i = bisect.bisect_right(self._values, t)
-        return self._values[i] if i < len(self._values) else None
-
     def set(self, ui: int, cached: frozenset[int] | None) -> None:
         """Unit ``ui`` now keeps ``cached`` (None: it is not checkpointed)."""
-        refresh: set[int] = set()
         old = self._terms.pop(ui, None)
         if old is not None:
             del self.state[ui]
-            base, lane, groups = old
-            self._base -= base
-            self._lane -= lane
-            for t, group in groups:
-                self._exposed -= group[1]
-                self._offloads[t].remove(group)
-                self._count[t] -= 1
-                if self._count[t] == 0:
-                    del self._count[t]
-                    self._values.pop(bisect.bisect_left(self._values, t))
-                    nxt = self._next_value(t)
-                    if nxt is not None:
-                        refresh.add(nxt)
+            self._base -= old[0]
+            self._lane -= old[1]
+            self._exposed -= old[2]
         if cached is not None:
             self.state[ui] = cached
-            base, lane, offloads = self.sim._unit_time(ui, cached)
-            self._base += base
-            self._lane += lane
-            groups = []
-            for i, (t, secs) in enumerate(offloads):
-                group = [secs, 0, self._exposures.setdefault((ui, cached, i), {})]
-                groups.append((t, group))
-                self._offloads.setdefault(t, []).append(group)
-                if t not in self._count:
-                    self._count[t] = 0
-                    bisect.insort(self._values, t)
-                    nxt = self._next_value(t)
-                    if nxt is not None:
-                        refresh.add(nxt)
-                self._count[t] += 1
-                refresh.add(t)
-            self._terms[ui] = (base, lane, groups)
-        for t in refresh:
-            if t in self._count:
-                self._refresh(t)
+            terms = self._terms[ui] = self.sim._unit_time(ui, cached)
+            self._base += terms[0]
+            self._lane += terms[1]
+            self._exposed += terms[2]

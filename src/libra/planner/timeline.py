@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from libra.errors import LibraError
 from libra.planner import _host_bandwidth
 from libra.planner.regions import GRANULARITIES, Unit, analyse
-from libra.planner.simulate import HOOKED, PLAIN, Simulator, State
+from libra.planner.simulate import EARLY, HOOKED, PLAIN, Simulator, State
 from libra.planner.types import Plan
 from libra.profiler.types import Profile
 
@@ -63,7 +63,8 @@ def state_of(plan: Plan, units: list[Unit]) -> State:
 
     Returns:
         unit index -> kept candidates (``j`` on the device, ``~j`` offloaded), as the solvers produce it;
-        ``PLAIN`` for a plain region, ``HOOKED`` for a hooked one.
+        ``PLAIN`` for a plain region, ``HOOKED`` for a hooked one; ``EARLY`` in it where the offloads come back at
+        a prefetch trigger (NOTE [Prefetch] in simulate.py).
 
     Raises:
         LibraError: a region of the plan is no unit of this profile, or its ops differ (another profile).
@@ -76,14 +77,15 @@ def state_of(plan: Plan, units: list[Unit]) -> State:
             name = r.module + (f"[{r.call}]" if r.call else "")
             seen = "is not a region of this profile" if ui is None else "ran other ops when this profile was recorded"
             raise LibraError(f"libra.memory_timeline: the plan checkpoints module {name!r}, which {seen}. {_FIX}")
+        early = frozenset({EARLY}) if r.prefetch_after else frozenset()
         if r.plain or r.hooked:
-            state[ui] = PLAIN if r.plain else HOOKED
+            state[ui] = PLAIN if r.plain else HOOKED | early
             continue
         unit = units[ui]
         save, offload = set(r.save), set(r.offload)
         kept = [j for j in unit.candidates if j in save and j not in offload]
         kept += [~j for j in sorted(offload)]
-        state[ui] = frozenset(kept)
+        state[ui] = frozenset(kept) | early
     return state
 
 

@@ -46,6 +46,9 @@ class RegionPlan:
         plain_ok: plain checkpoint would recompute it exactly (it writes no module state and hands no random op a
             generator of its own): a call that gets other input shapes than planned runs that way, recomputed whole,
             instead of keeping everything (NOTE [Unplanned shapes] in runtime/apply.py).
+        prefetch_after: ``[module, call]`` of the call whose backward start brings this call's offloaded tensors
+            back (NOTE [Prefetch] in planner/simulate.py), planned or not; empty: they come back when this call's
+            own backward starts.
     """
 
     module: str
@@ -61,6 +64,7 @@ class RegionPlan:
     stay: list[int] = field(default_factory=list)
     offload_inputs: bool = False
     plain_ok: bool = False
+    prefetch_after: list = field(default_factory=list)
 
 
 @dataclass

@@ -12,7 +12,6 @@ import torch
 
 from libra._allocator import END_MARKER, TAP, peak_above_start, per_marker_highs
 from libra._ops import model_signature, plain_tensors, storage_key
-from libra.errors import LibraError
 from libra.profiler._stacks import insert_hooks_under, insert_mode_under, remove_hooks, remove_mode
 from libra.profiler.fake import FakeStep, benchmark_ops, estimate_ops
 from libra.profiler.link import host_link_bandwidth

@@ -17,7 +17,7 @@ from libra._forward import ForwardSwaps
 from libra.errors import LibraError, PlanMismatchError, UnplannedInputsError
 from libra.planner.types import Decision, Plan, RegionPlan
 from libra._ops import input_signature, kv_cache_args, model_signature, plain_tensors, storage_key
-from libra.runtime.region import HookRun, OffloadContext, PlainRun, RegionRun, debug_enabled
+from libra.runtime.region import HookRun, OffloadContext, PlainRun, RegionRun, TriggerRun, debug_enabled
 from libra.units import format_bytes
 
 __all__ = ["apply", "begin_step", "Replanner"]
@@ -57,18 +57,23 @@ class _RegionForward:
         self.fqn = fqn
         self.forward = forward
 
-    def _plain(self, args, kwargs):
+    def _plain(self, args, kwargs, key: tuple[str, int] | None = None):
         """The call under plain ``torch.utils.checkpoint``, recomputed whole (NOTE [Plain regions])."""
-        plain = PlainRun(self.forward, self.session.offload)
-        if self.session.offload is not None:
-            self.session.offload.register(plain)
+        plain = PlainRun(self.forward)
+        self.session.track(plain, key)
         return torch_checkpoint.checkpoint(plain.run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
-        region = self.session.next_region(self.fqn)
+        key = self.session.next_call(self.fqn)
+        region = self.session.regions.get(key)
         if region is None:
+            if self.session.offload is not None and key in self.session.offload.after:
+                # NOTE [Prefetch] in planner/simulate.py: its backward start brings a later call's copies back
+                trigger = TriggerRun(self.fqn, self.forward)
+                self.session.track(trigger, key)
+                return trigger.run(*args, **kwargs)
             sibling = self.session.unprofiled.get(self.fqn)
             if sibling is None:
                 return self.forward(*args, **kwargs)
@@ -91,7 +96,7 @@ class _RegionForward:
                     "libra: %r got inputs of shapes %s, planned for %s; recomputing it whole (plain checkpoint) "
                     "at those shapes.", self.fqn, shapes, region.input_shapes, level=logging.INFO,
                 )
-                return self._plain(args, kwargs)
+                return self._plain(args, kwargs, key)
             self.session.note_once(
                 ("shapes", self.fqn),
                 "libra: %r got inputs of shapes %s, planned for %s; running it without recompute. "
@@ -117,17 +122,16 @@ class _RegionForward:
                           region.call)
             hook = HookRun(region, self.forward, self.session.offload, self.session.static_keys(),
                            self.session.device)
-            self.session.offload.register(hook)
+            self.session.track(hook, key)
             return hook.run(*args, **kwargs)
         if region.plain:  # NOTE [Plain regions] in planner/simulate.py
             if debug_enabled():
                 log.debug("libra: %s[%d] runs under plain checkpoint (everything recomputed)", region.module,
                           region.call)
-            return self._plain(args, kwargs)
+            return self._plain(args, kwargs, key)
         run = RegionRun(region, self.forward, self.session.offload, note=self.session.note_once,
                         buffer_keys=self.session.buffer_keys())
-        if self.session.offload is not None:
-            self.session.offload.register(run)
+        self.session.track(run, key)
         return torch_checkpoint.checkpoint(
             run.run,
             *args,
@@ -192,7 +196,7 @@ class _Session:
         self.variants = _variants(plan)
         self.recording = None  # the replanner's recording of a step with new inputs, while it runs
         self.recording_signature: tuple[str, ...] = ()
-        self.lingering: list[StepRecording] = []  # finished recordings not yet off the mode stacks
+        self.lingering: list = []  # the replanner's finished recordings not yet off the mode stacks
         self.regions: dict[tuple[str, int], RegionPlan] = {}
         self.counts: dict[str, int] = {}
         self._swaps = ForwardSwaps()
@@ -214,6 +218,8 @@ class _Session:
             self.unprofiled = {}
         if plan is not None and self.offload is None and any(r.offload or r.hooked for r in plan.regions):
             self.offload = OffloadContext(self.device)
+        if self.offload is not None:
+            self.offload.follow(plan.regions if plan is not None else [])
         if plan is not None and self._handles:
             self._wrap(plan)
 
@@ -231,10 +237,16 @@ class _Session:
             self._buffers = {storage_key(t) for t in plain_tensors(self.model.buffers())}
         return self._buffers
 
-    def next_region(self, fqn: str) -> RegionPlan | None:
+    def next_call(self, fqn: str) -> tuple[str, int]:
+        """(module, call): which call of ``fqn`` within this root call this one is."""
         call = self.counts.get(fqn, 0)
         self.counts[fqn] = call + 1
-        return self.regions.get((fqn, call))
+        return fqn, call
+
+    def track(self, run, key: tuple[str, int] | None) -> None:
+        """Hands ``run`` what to call when its backward starts, where the plan offloads (NOTE [Prefetch])."""
+        if self.offload is not None:
+            run.on_backward = self.offload.register(run, key)
 
     def note_once(self, key, message, *args, level=logging.WARNING) -> None:
         if key not in self.variants.noted:
@@ -370,7 +382,8 @@ class _Session:
     def _wrap(self, plan: Plan) -> None:
         modules = dict(self.model.named_modules())
         self.unprofiled = self._unprofiled_siblings(plan)
-        for fqn in dict.fromkeys([*(r.module for r in plan.regions), *self.unprofiled]):
+        triggers = [r.prefetch_after[0] for r in plan.regions if r.prefetch_after]  # NOTE [Prefetch]
+        for fqn in dict.fromkeys([*(r.module for r in plan.regions), *self.unprofiled, *triggers]):
             if fqn in self._wrapped:
                 continue
             module = modules.get(fqn)

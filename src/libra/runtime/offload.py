@@ -3,8 +3,9 @@
 NOTE [Offload streams]: on CUDA the copy out runs on a side stream after the producing kernel (the side stream waits
 on the current one) into a pinned buffer; ``record_stream`` keeps the caching allocator from reusing the device
 memory before the copy has read it, so nothing synchronizes in the hot path. The copy back runs on the side stream
-when an earlier region's replay starts (NOTE [Prefetch] in the simulator), and the replay that needs it makes the
-current stream wait on its event. On CPU the same code runs with plain synchronous copies.
+when the region's prefetch trigger starts its backward, or at its first use (NOTE [Prefetch] in the simulator), and
+the replay that needs it makes the current stream wait on its event. On CPU the same code runs with plain
+synchronous copies.
 """
 
 from __future__ import annotations

@@ -135,49 +135,95 @@ def _uncounted(func) -> bool:
 
 
 class OffloadContext:
-    """What the calls of one ``apply`` share for offloading: the host pool, the copy stream, the prefetch order."""
+    """What the calls of one ``apply`` share for offloading: the host pool, the copy stream, and which call's
+    backward start brings which calls' copies back (NOTE [Prefetch] in planner/simulate.py)."""
 
     def __init__(self, device: torch.device) -> None:
         cuda = device.type == "cuda"
         self.pool = HostPool(pin=cuda)
         self.stream = torch.cuda.Stream(device) if cuda else None
-        self.runs: list = []  # weak references to this step's region calls, in forward order
+        # (module, call) -> weak references to this root call's runs by (module, call)
+        self.runs: dict[tuple[str, int], weakref.ref] = {}
+        # (module, call) whose backward start triggers -> the planned calls whose copies it brings back
+        self.after: dict[tuple[str, int], list[tuple[str, int]]] = {}
         # (storage, dtype) -> its host copy while the storage lives: hooked calls share one copy of a storage they
         # all save (NOTE [Shared hooked storages] in planner/simulate.py)
         self.copies: "weakref.WeakValueDictionary[tuple, HostCopy]" = weakref.WeakValueDictionary()
 
+    def follow(self, regions: list[RegionPlan]) -> None:
+        """Takes the prefetch triggers of a plan's regions (``RegionPlan.prefetch_after``)."""
+        self.after = {}
+        for r in regions:
+            if r.prefetch_after:
+                self.after.setdefault((r.prefetch_after[0], r.prefetch_after[1]), []).append((r.module, r.call))
+
     def new_step(self) -> None:
-        self.runs = []
+        self.runs = {}
         self.copies = weakref.WeakValueDictionary()
 
-    def register(self, run: "RegionRun") -> None:
-        self.runs.append(weakref.ref(run))
+    def register(self, run, key: "tuple[str, int] | None"):
+        """Records ``run`` as this root call's call ``key`` (None: a call the plan does not name) and returns what
+        it calls when its backward starts (its first unpack or its replay): the prefetch of the calls it triggers,
+        among the runs of the same root call."""
+        runs = self.runs
+        if key is not None:
+            runs[key] = weakref.ref(run)
+        targets = self.after.get(key, ()) if key is not None else ()
 
-    def replay_started(self, run: "RegionRun") -> None:
-        """NOTE [Prefetch]: when a call's replay starts, the call before it in forward order (next in backward)
-        starts bringing its offloaded outputs back."""
-        for i, ref in enumerate(self.runs):
-            if ref() is run:
-                if i > 0 and self.runs[i - 1]() is not None:
+        def backward_started() -> None:
+            for target in targets:
+                ref = runs.get(target)
+                later = ref() if ref is not None else None
+                if later is not None:
                     with _internal():
-                        self.runs[i - 1]().prefetch()
-                return
+                        later.prefetch()
+
+        return backward_started
+
+
+class TriggerRun:
+    """An unplanned call whose backward start brings a planned call's copies back (NOTE [Prefetch] in
+    planner/simulate.py): the module's forward under saved-tensor hooks that save every tensor as it is and only
+    notice the first unpack. They change no value and no lifetime; since autograd does not check versions under
+    hooks, an unpack checks them as eager would (NOTE [Version checks])."""
+
+    def __init__(self, module: str, forward) -> None:
+        self.module = module
+        self.forward = forward
+        self.on_backward = None
+        self.started = False
+
+    def run(self, *args, **kwargs):
+        with torch.autograd.graph.saved_tensors_hooks(_Held, self.unpack):
+            return self.forward(*args, **kwargs)
+
+    def unpack(self, held: "_Held") -> torch.Tensor:
+        if not self.started:
+            self.started = True
+            if self.on_backward is not None:
+                self.on_backward()
+        if held.t._version != held.version:
+            raise _changed_after_saving(self.module)
+        return held.t
+
+    def prefetch(self) -> None:
+        """Nothing to bring back: it offloads nothing."""
 
 
 class PlainRun:
     """One call of a plain region (NOTE [Plain regions] in planner/simulate.py): the function plain checkpoint runs,
-    once for the forward and once per replay. It only tells the offload context when its replay starts, so that the
-    call before it brings its offloaded outputs back then (NOTE [Prefetch]), as the simulator assumes."""
+    once for the forward and once per replay. Its replay starts its backward, which may bring a later call's
+    offloaded outputs back (NOTE [Prefetch]), as the simulator assumes."""
 
-    def __init__(self, forward, offload: "OffloadContext | None") -> None:
+    def __init__(self, forward) -> None:
         self.forward = forward
-        self.offload_ctx = offload
+        self.on_backward = None
         self.calls = 0
 
     def run(self, *args, **kwargs):
         self.calls += 1
-        if self.calls > 1 and self.offload_ctx is not None:
-            self.offload_ctx.replay_started(self)
+        if self.calls > 1 and self.on_backward is not None:
+            self.on_backward()
         return self.forward(*args, **kwargs)
 
     def prefetch(self) -> None:
@@ -199,12 +245,22 @@ class _Packed:
 
 class _Held:
     """What a hooked call's pack hook returns for a tensor it leaves on the device (an input, a parameter, what the
-    call returns): the tensor and its version when saved (NOTE [Version checks])."""
+    call returns): the tensor and its version when saved (NOTE [Version checks]). It holds a detached alias (same
+    storage, same version counter): the tensor itself, saved by the node that made it, would make a cycle through
+    that node that Python's collector cannot see, and a graph dropped without a backward would never be freed."""
 
     __slots__ = ("t", "version")
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.t, self.version = t, t._version
+        self.t, self.version = t.detach(), t._version
+
+
+def _changed_after_saving(module: str) -> LibraError:
+    return LibraError(
+        f"libra.apply: a tensor {module!r} saved for backward was changed in place after it was saved, so the "
+        "saved value is out of date (eager PyTorch raises here too). Fix: use an out-of-place op, or plan without "
+        "offloading (decisions={'keep', 'recompute'})."
+    )
 
 
 class HookRun:
@@ -212,8 +268,8 @@ class HookRun:
     saved-tensor hooks that copy every tensor autograd saves, except ``keep`` (parameters and buffers, by storage),
     what the call returns (the plan's ``stay``) and its inputs (unless the plan's ``offload_inputs``), to a host
     buffer of the offload context's pool, one copy per storage (shared with other hooked calls that save it), and
-    bring it back at its first unpack, or earlier: when the call after this one in forward order starts its backward
-    (NOTE [Prefetch]). Nothing is recomputed, so neither random numbers nor BatchNorm statistics are touched again.
+    bring it back at its first unpack, or earlier: when the plan's trigger call starts its backward (NOTE
+    [Prefetch]). Nothing is recomputed, so neither random numbers nor BatchNorm statistics are touched again.
 
     NOTE [Version checks]: under saved-tensor hooks autograd does not check versions, so an unpack compares the
     saved tensor's version counter with the one it had when packed, while it is still alive, and raises instead of
@@ -235,6 +291,7 @@ class HookRun:
         self.started = False
         self.stay = set(region.stay)
         self.ordinal = 0  # saves of the call's own tensors so far (RegionPlan.stay)
+        self.on_backward = None  # OffloadContext.register's: called at the first unpack (NOTE [Prefetch])
 
     def run(self, *args, **kwargs):
         self.inputs = {storage_key(t) for t in tensors_in(list(args)) + tensors_in(list(kwargs.values()))}
@@ -276,15 +333,12 @@ class HookRun:
     def unpack(self, packed):
         if not self.started:
             self.started = True
-            self.offload_ctx.replay_started(self)
+            if self.on_backward is not None:
+                self.on_backward()
         held = isinstance(packed, _Held)
         t = packed.t if held else packed.source()  # a copy's source: alive while the caller holds it
         if t is not None and t._version != packed.version:
-            raise LibraError(
-                f"libra.apply: a tensor {self.region.module!r} saved for backward was changed in place after it "
-                "was saved, so the saved value is out of date (eager PyTorch raises here too). Fix: use an "
-                "out-of-place op, or plan without offloading this module (decisions={'keep', 'recompute'})."
-            )
+            raise _changed_after_saving(self.region.module)
         if held:
             return t
         with _internal():
@@ -327,6 +381,7 @@ class RegionRun:
         self.replay_index = 0
         self.calls = 0
         self.input_versions: list[tuple[torch.Tensor, int]] = []
+        self.on_backward = None  # OffloadContext.register's: called when the replay starts (NOTE [Prefetch])
 
     def contexts(self):
         return _ForwardMode(self), _ReplayMode(self)
@@ -339,8 +394,8 @@ class RegionRun:
         else:
             self.replay_index = 0
             self.replay_storages = set()
-            if self.offload_ctx is not None:
-                self.offload_ctx.replay_started(self)
+            if self.on_backward is not None:
+                self.on_backward()
             for i, (t, version) in enumerate(self.input_versions):
                 if t._version != version:
                     raise LibraError(

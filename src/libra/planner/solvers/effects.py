@@ -6,8 +6,8 @@ a replay adds a transient. Each effect is therefore a handful of ``(op, bytes)``
 curve changes by ``bytes`` from ``op`` on), measured by the simulator on that one decision alone in time linear in
 the unit's size (``Simulator.changes``). A plan's estimated curve is eager's plus the sum of its decisions' effects;
 :class:`PeakTree` keeps that sum's maximum and where it is under point updates in O(log n) each. The estimate ignores
-how regions interact (a storage held by two regions ends at the later holder, prefetches depend on the neighbouring
-region), so the solvers check what they choose with the full simulator, a few times per solve.
+how regions interact (a storage held by two regions ends at the later holder, hooked calls share copies), so the
+solvers check what they choose with the full simulator, a few times per solve.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ import heapq
 
 import numpy as np
 
-from libra.planner.simulate import HOOKED, PLAIN, SimResult, Simulator, State, TimeModel
+from libra.planner.simulate import HOOKED, PLAIN, SimResult, Simulator, State, TimeModel, is_hooked
 from libra.planner.solvers.effects import OFFLOAD, RECOMPUTE, Effects, PeakTree
 
 __all__ = ["Front", "default_ladder", "LADDER_STEPS"]
@@ -149,7 +149,7 @@ class _Chain:
                 return None
             u, dropped, added, saved = got
             if any(fx.moves[m][2] == OFFLOAD for m in dropped) or added:
-                # an offload's cost depends on the neighbouring replays (NOTE [Prefetch]): ask the time model
+                # the move costs are measured one move at a time: ask the time model for the unit's whole change
                 before = tm.seconds()
                 rest = (current[u] - set(dropped)) | set(added)
                 tm.set(u, _unit_state(sim, fx, u, rest))
@@ -350,7 +350,7 @@ def hook_lowest(sim: Simulator, state: State) -> tuple[State, SimResult]:
     that offloads what a region would keep on the device frees more (NOTE [Hooked regions])."""
     best, current = sim.run(state), dict(state)
     for ui in sorted(range(len(sim.units)), key=lambda u: sim.units[u].instances[0].start):
-        if current.get(ui) == HOOKED or not sim.hook_ok(ui):
+        if is_hooked(current.get(ui, frozenset())) or not sim.hook_ok(ui):
             continue
         trial = dict(current)
         trial[ui] = HOOKED

@@ -409,7 +409,7 @@ class _Search:
 
     def run(self, full: State, path: _Path) -> tuple[list[int], np.ndarray]:
         """Greedy growth along the shared path and undo: (moves, simulated curve)."""
-        fx, sim = self.fx, self.sim
+        fx = self.fx
         grown = None
         start = path.prefix(self.budget)
         if start is not None:

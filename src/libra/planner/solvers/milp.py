@@ -7,7 +7,7 @@ some choice could reach the budget, with ``E_o`` the option's effect measured by
 starts from nothing another solver found (no incumbent): it is what the greedy is measured against.
 
 NOTE [Exact up to interactions]: the program is exact over the options as the estimate sees them; the estimate
-ignores how units interact (a storage held by two units, a prefetch that starts at the replay before it), so every
+ignores how units interact (a storage held by two units, copies hooked calls share), so every
 solution is checked by the simulator, the single judge. Where it simulates over the budget, the memory rows are
 tightened by the excess and the program is solved again; a plan so found is exact for the tightened program, not
 for the simulator. On the test profiles without offload the first solution always verified.
