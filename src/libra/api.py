@@ -117,7 +117,8 @@ class _Replanner:
         prof = recording.finish()
         # older plan files record no decisions or host link: the defaults
         how = {"solver": base.solver if base.solver in ("greedy", "milp") else "greedy",
-               "decisions": base.allowed or None, "host_bandwidth": base.host_bandwidth or None}
+               "decisions": base.allowed or None, "host_bandwidth": base.host_bandwidth or None,
+               "granularity": base.granularity or None}
         try:
             return make_plan(prof, base.budget_bytes, **how)
         except BudgetInfeasibleError as e:

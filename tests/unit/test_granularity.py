@@ -107,3 +107,31 @@ def test_outputs_used_only_in_forward_are_not_cached():
     # the block-sized unit's output is the next block's input, saved by its LayerNorm: cached
     block = next(u for u in Planning(prof).selections[1].units if u.module == "blocks.1")
     assert len(block.op_names) - 1 in block.forced_save
+
+
+def test_a_plan_records_its_granularity_and_steps_planned_anew_keep_it(tmp_path):
+    """``Plan.granularity`` says which region selection the plan's regions come from; ``granularity=`` plans over
+    one only, and a step with new input shapes is planned over the same (issue 18, item 4)."""
+    model, x, y, loss_fn, _ = _mixer()
+    prof = libra.profile(model, lambda: loss_fn(model(x), y).backward())
+    model.zero_grad(set_to_none=True)
+    planning = Planning(prof)
+    assert [s.granularity for s in planning.selections] == ["fine", "blocks"], "the Mixer's selections differ"
+    budget = prof.budget_for_share(0.5)
+    plans = {g: libra.plan(prof, budget, granularity=g) for g in ("fine", "blocks")}
+    assert {g: p.granularity for g, p in plans.items()} == {"fine": "fine", "blocks": "blocks"}
+    assert {r.module for r in plans["fine"].regions} != {r.module for r in plans["blocks"].regions}
+    assert libra.plan(prof, budget).granularity in ("fine", "blocks")
+    plans["blocks"].save(tmp_path / "p.json")
+    assert libra.Plan.load(tmp_path / "p.json") == plans["blocks"]
+    with pytest.raises(libra.LibraError, match="unknown granularity 'coarse'"):
+        libra.plan(prof, budget, granularity="coarse")
+
+    plan = plans["blocks"]
+    x2, y2 = x[:6], y[:6]
+    for _ in range(2):  # profiled in the first, under its own plan in the second
+        with libra.apply(model, plan, on_over_budget="warn"):
+            loss_fn(model(x2), y2).backward()
+        model.zero_grad(set_to_none=True)
+    (other,) = plan.__dict__["_libra_variants"].plans.values()
+    assert other.granularity == "blocks"

@@ -80,6 +80,7 @@ def _edit(path, tmp_path, fn):
         (lambda d: d.update(predicted_step_seconds="fast"), "should be float"),
         (lambda d: d["regions"][0].update(stay=[0], hooked=False), "not hooked"),
         (lambda d: d["regions"][0].update(prefetch_after=["blocks.0"]), "prefetch_after should be [module, call]"),
+        (lambda d: d.update(granularity="coarse"), "granularity should be one of"),
         (lambda d: d.update(allowed=["keep", "teleport"]), "allowed should list decisions"),
         (lambda d: d.update(host_bandwidth=-1.0), "negative"),
         (lambda d: d.update(provenance={"memory": 3}), "provenance should map"),

@@ -170,14 +170,16 @@ class Planning:
         profile: from :func:`libra.profile`.
         host_bandwidth: bytes per second to and from host memory (see :func:`plan`).
         decisions: the decisions the planner may use, a non-empty subset of ``{"keep", "recompute", "offload"}``.
+        granularities: the region granularities to analyse (default: all of ``GRANULARITIES``).
     """
 
     def __init__(self, profile: Profile, host_bandwidth: float | None = None,
-                 decisions=("keep", "recompute", "offload")) -> None:
+                 decisions=("keep", "recompute", "offload"), granularities=GRANULARITIES) -> None:
         if not isinstance(profile, Profile):
             raise LibraError(
                 f"libra.plan: expected a libra.Profile from libra.profile(model, step), got {type(profile).__name__}."
             )
+        self.granularities = tuple(granularities)
         chosen = frozenset(decisions) if not isinstance(decisions, str) else frozenset({decisions})
         if not chosen or not chosen <= _DECISIONS:
             raise LibraError(
@@ -197,7 +199,7 @@ class Planning:
             )
         self.kinds = tuple(kinds)
         self.selections: list[Selection] = []
-        for granularity in GRANULARITIES:
+        for granularity in self.granularities:
             sel = Selection(profile, granularity, self.host_bandwidth, self.kinds)
             if all(sel.keys != other.keys for other in self.selections):
                 self.selections.append(sel)
@@ -221,9 +223,10 @@ class Planning:
     def effects(self) -> greedy.Effects:
         return self.selections[0].effects
 
-    def matches(self, host_bandwidth, decisions) -> bool:
+    def matches(self, host_bandwidth, decisions, granularities=GRANULARITIES) -> bool:
         want = frozenset(decisions) if not isinstance(decisions, str) else frozenset({decisions})
-        return want == self.decisions and (host_bandwidth is None or float(host_bandwidth) == self.host_bandwidth)
+        return (want == self.decisions and tuple(granularities) == self.granularities
+                and (host_bandwidth is None or float(host_bandwidth) == self.host_bandwidth))
 
     @property
     def margin_bytes(self) -> int:
@@ -428,6 +431,7 @@ class Planning:
             refused=self.refusals(sel),
             allowed=sorted(self.decisions),
             host_bandwidth=self.host_bandwidth or 0.0,
+            granularity=sel.granularity,
             provenance=self.provenance(),
         )
 
@@ -538,6 +542,7 @@ def plan(
     host_bandwidth: float | None = None,
     decisions=None,
     time_limit: float = 60.0,
+    granularity: str | None = None,
 ) -> Plan:
     """Decides, for every saved activation, whether to keep, recompute or offload it, so a step fits ``budget``.
 
@@ -557,6 +562,8 @@ def plan(
         decisions: the decisions allowed, a non-empty subset of ``{"keep", "recompute", "offload"}`` (default: all
             three). Without ``"keep"``, every candidate activation is evicted.
         time_limit: seconds the ``"milp"`` solver may take.
+        granularity: plan over one region granularity, ``"fine"`` or ``"blocks"`` (NOTE [Region granularity]), as
+            ``Plan.granularity`` records; default: each, and the faster plan is taken.
 
     Returns:
         A :class:`Plan`. When the budget is at or above the eager peak it keeps everything, and applying it installs
@@ -574,14 +581,19 @@ def plan(
     budget_bytes = parse_bytes(budget, what="libra.plan: budget")
     if solver not in _SOLVERS:
         raise LibraError(f"libra.plan: unknown solver {solver!r}; expected one of {', '.join(_SOLVERS)}.")
+    if granularity is not None and granularity not in GRANULARITIES:
+        raise LibraError(f"libra.plan: unknown granularity {granularity!r}; expected one of "
+                         f"{', '.join(GRANULARITIES)}, or None for each.")
+    granularities = GRANULARITIES if granularity is None else (granularity,)
     t0 = time.perf_counter()
     if isinstance(profile, Planning) and (
-        (host_bandwidth is None and decisions is None) or profile.matches(host_bandwidth, decisions or _DECISIONS)
+        (host_bandwidth is None and decisions is None and granularity is None)
+        or profile.matches(host_bandwidth, decisions or _DECISIONS, granularities)
     ):
         planning = profile  # reuse its analysis and options
     else:
         base = profile.profile if isinstance(profile, Planning) else profile
-        planning = Planning(base, host_bandwidth, _DECISIONS if decisions is None else decisions)
+        planning = Planning(base, host_bandwidth, _DECISIONS if decisions is None else decisions, granularities)
     found = planning.solve(budget_bytes, solver, time_limit)
     if found is None:
         minimum = planning.min_budget_bytes()

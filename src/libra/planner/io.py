@@ -8,6 +8,7 @@ from pathlib import Path
 
 from libra.errors import PlanFormatError
 from libra.planner.types import PLAN_SCHEMA_VERSION, Decision, Plan, RegionPlan
+from libra.planner.regions import GRANULARITIES
 
 __all__ = ["save_plan", "load_plan", "plan_to_dict", "plan_from_dict"]
 
@@ -32,10 +33,11 @@ _PLAN_FIELDS = {
     "allowed": list,
     "host_bandwidth": float,
     "provenance": dict,
+    "granularity": str,
 }
 # added after schema 1 was first written; absent means "not recorded"
 _OPTIONAL = {"input_signature", "skip", "plain", "hooked", "stay", "offload_inputs", "refused", "plain_ok", "allowed",
-             "host_bandwidth", "provenance", "prefetch_after"}
+             "host_bandwidth", "provenance", "prefetch_after", "granularity"}
 _REGION_FIELDS = {"module": str, "call": int, "ops": list, "save": list, "offload": list, "protect": dict,
                   "input_shapes": list, "skip": list, "plain": bool, "hooked": bool, "stay": list,
                   "offload_inputs": bool, "plain_ok": bool, "prefetch_after": list}
@@ -83,6 +85,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "allowed": list(plan.allowed),
         "host_bandwidth": plan.host_bandwidth,
         "provenance": dict(plan.provenance),
+        "granularity": plan.granularity,
     }
 
 
@@ -199,6 +202,8 @@ def plan_from_dict(data: dict, path="<dict>") -> Plan:
     provenance = data.get("provenance", {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in provenance.items()):
         raise _fail(path, f"provenance should map strings to strings, found {provenance!r}")
+    if data.get("granularity", "") not in ("", *GRANULARITIES):
+        raise _fail(path, f"granularity should be one of {', '.join(GRANULARITIES)}, found {data['granularity']!r}")
     skip = ("decisions", "regions", "parameters", "input_signature", "refused", "allowed", "provenance")
     fields = {k: data[k] for k in _PLAN_FIELDS if k not in skip and k in data}
     fields["input_signature"] = list(signature)

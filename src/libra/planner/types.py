@@ -87,6 +87,8 @@ class Plan:
             recorded (an older plan file). A step ``libra.apply`` plans anew is planned with the same.
         host_bandwidth: the host link's bytes per second the plan was made with; 0.0: none (offloading was not
             modelled).
+        granularity: the region granularity of the plan's regions (NOTE [Region granularity] in
+            planner/regions.py); empty: not recorded. A step ``libra.apply`` plans anew is planned with the same.
         provenance: where the profile's figures came from (``Profile.provenance``): ``"memory"``: ``"step"`` or
             ``"fake"``; ``"op_seconds"``: ``"step"``, ``"benchmark"`` or ``"estimate"``; ``"host_bandwidth"``: ``"measured"``,
             ``"given"`` or ``"none"``. Shown by :meth:`explain`.
@@ -112,6 +114,7 @@ class Plan:
     allowed: list[str] = field(default_factory=list)
     host_bandwidth: float = 0.0
     provenance: dict = field(default_factory=dict)
+    granularity: str = ""
     schema_version: int = PLAN_SCHEMA_VERSION
 
     @property
