@@ -139,24 +139,27 @@ class Problem:
         self.eager = np.array(sim.live({})[0])
         self.n_t = len(self.eager)
         self.options: list[Option] = []
-        unit_of, cost, pos, val, ptr = [], [], [], [], [0]
+        unit_of, cost, terms, pos, val, ptr = [], [], [], [], [], [0]
         self.of_unit: list[list[int]] = []
         for ui in range(len(sim.units)):
             mine = []
             for opt in unit_options(sim, ui, self.kinds):
-                p, v, added = sim.changes({ui: opt.entry()})
+                p, v, seconds = sim.changes_and_terms({ui: opt.entry()})
                 p, v = merged(p, v)
                 mine.append(len(self.options))
                 self.options.append(opt)
                 unit_of.append(ui)
-                cost.append(max(added, 1e-12))
+                cost.append(max(sim.added_seconds(seconds), 1e-12))
+                terms.append(seconds)
                 pos.append(p)
                 val.append(v)
                 ptr.append(ptr[-1] + p.size)
             self.of_unit.append(mine)
         empty = np.zeros(0, dtype=np.int64)
         self.unit_of = np.array(unit_of, dtype=np.int64)
-        self.cost = np.array(cost, dtype=np.float64)
+        self.cost = np.array(cost, dtype=np.float64)  # each option's added seconds alone
+        # and its (base, exposed, lane) terms, which add up over units (Simulator.added_seconds)
+        self.terms = np.array(terms, dtype=np.float64).reshape(-1, 3)
         self.pos = np.concatenate(pos) if pos else empty
         self.val = np.concatenate(val) if val else empty
         self.ptr = np.array(ptr, dtype=np.int64)

@@ -314,9 +314,13 @@ class Simulator:
                 if e > end and owner not in active:
                     end = e
             intervals[s] = (a, end)
-        # copies run on their own lane: exposed where a prefetch is late, and wherever the lane is busier than the step
-        added = base.value() + max(exposed.value(), lane.value() - self.profile.eager_step_seconds)
-        return intervals, extra_copies, bursts, held, added
+        return intervals, extra_copies, bursts, held, (base.value(), exposed.value(), lane.value())
+
+    def added_seconds(self, terms: tuple[float, float, float]) -> float:
+        """The added seconds of a plan's ``(base, exposed, lane)`` terms: copies run on their own lane, exposed
+        where a prefetch is late, and wherever the lane is busier than the step."""
+        base, exposed, lane = terms
+        return base + max(exposed, lane - self.profile.eager_step_seconds)
 
     def _unit_record(self, ui: int, cached: frozenset[int]) -> "_UnitRecord":
         """What region unit ``ui`` keeping ``cached`` (or plain) adds to :meth:`_plan`, remembered per (unit,
@@ -653,7 +657,13 @@ class Simulator:
         ``live(state)[t] == live({})[t] + sum(val[pos <= t])``: each changed interval adds its bytes at its start and
         takes them off after its end. Linear in the size of the units in ``state``, not in the profile's length.
         """
-        intervals, copies, bursts, held, added = self._plan(state)
+        pos, val, terms = self.changes_and_terms(state)
+        return pos, val, self.added_seconds(terms)
+
+    def changes_and_terms(self, state: State) -> tuple[np.ndarray, np.ndarray, tuple[float, float, float]]:
+        """:meth:`changes`, with the added seconds as their ``(base, exposed, lane)`` terms (:meth:`added_seconds`):
+        each sums over the units of ``state`` (NOTE [Prefetch]), but the busy lane is one for all."""
+        intervals, copies, bursts, held, terms = self._plan(state)
         n = self.n
         # spans [start, end] of added bytes: each adds them at its start and takes them off after its end
         starts, ends, sizes = [], [], []
@@ -680,12 +690,12 @@ class Simulator:
             ends.append(np.minimum(h[:, 1], n))
             sizes.append(h[:, 2])
         if not starts:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), added
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), terms
         size = np.concatenate(sizes).astype(np.int64)
         p = np.concatenate(starts + [np.concatenate(ends) + 1])
         v = np.concatenate([size, -size])
         keep = p <= n
-        return p[keep], v[keep], added
+        return p[keep], v[keep], terms
 
     def run(self, state: State) -> SimResult:
         """Simulates one step under ``state``."""

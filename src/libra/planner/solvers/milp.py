@@ -1,10 +1,13 @@
 """The exact reference: one mixed-integer program over the options of each unit, solved with SciPy's HiGHS
 (NOTE [Options per unit] in ``problem.py``).
 
-Variables: ``y_o`` binary, option ``o`` taken, at most one per unit (a unit with none is not checkpointed).
-Objective: added seconds, ``sum cost_o y_o``. Memory: ``eager(t) + sum_o E_o(t) y_o <= budget`` at every op where
-some choice could reach the budget, with ``E_o`` the option's effect measured by the simulator alone. The program
-starts from nothing another solver found (no incumbent): it is what the greedy is measured against.
+Variables: ``y_o`` binary, option ``o`` taken, at most one per unit (a unit with none is not checkpointed), and
+``w`` the copy time that shows. Objective: added seconds, ``sum base_o y_o + w`` with ``w >= sum exposed_o y_o``
+(copies back that start late) and ``w >= sum lane_o y_o - eager step`` (a host link busier than the step): the
+simulator's own sum, exact since copies come back at fixed points (NOTE [Prefetch] in ``simulate.py``). Memory:
+``eager(t) + sum_o E_o(t) y_o <= budget`` at every op where some choice could reach the budget, with ``E_o`` the
+option's effect measured by the simulator alone. The program starts from nothing another solver found (no
+incumbent): it is what the greedy is measured against.
 
 NOTE [Exact up to interactions]: the program is exact over the options as the estimate sees them; the estimate
 ignores how units interact (a storage held by two units, copies hooked calls share), so every
@@ -64,7 +67,11 @@ def solve(problem: Problem, budget: int, *, time_limit: float = 60.0) -> Choice 
     for opts in problem.of_unit:
         if opts:
             worst += np.maximum(dense[:, opts].max(axis=1), 0)
-    one = csr_matrix((np.ones(n_opt), (problem.unit_of, np.arange(n_opt))), shape=(problem.n_units, n_opt))
+    one = csr_matrix((np.ones(n_opt), (problem.unit_of, np.arange(n_opt))), shape=(problem.n_units, n_opt + 1))
+    base, exposed, lane = problem.terms.T
+    # w - sum exposed_o y_o >= 0 and w - sum lane_o y_o >= -eager step
+    shown = csr_matrix(np.vstack([np.append(-exposed, 1.0), np.append(-lane, 1.0)]))
+    step = problem.sim.profile.eager_step_seconds
     deadline = time.perf_counter() + time_limit
     target = float(budget)
     for _ in range(_ROUNDS):
@@ -72,13 +79,14 @@ def solve(problem: Problem, budget: int, *, time_limit: float = 60.0) -> Choice 
         if remaining <= 0:
             break
         rows = np.flatnonzero(eager + worst > target)
-        memory = csr_matrix(dense[rows].astype(np.float64))
+        memory = csr_matrix(np.hstack([dense[rows].astype(np.float64), np.zeros((len(rows), 1))]))
         res = milp(
-            problem.cost,
+            np.append(base, 1.0),
             constraints=[LinearConstraint(memory, -np.inf, target - eager[rows]),
-                         LinearConstraint(one, -np.inf, 1.0)],
-            integrality=np.ones(n_opt),
-            bounds=Bounds(0, 1),
+                         LinearConstraint(one, -np.inf, 1.0),
+                         LinearConstraint(shown, [0.0, -step], np.inf)],
+            integrality=np.append(np.ones(n_opt), 0.0),
+            bounds=Bounds(np.zeros(n_opt + 1), np.append(np.ones(n_opt), np.inf)),
             options={"time_limit": remaining, "disp": False},
         )
         if res.x is None:
@@ -88,7 +96,7 @@ def solve(problem: Problem, budget: int, *, time_limit: float = 60.0) -> Choice 
         if res.status == 1:
             log.info("libra.plan: the exact solver ran out of time (%.0f s); its best plan so far is not proven "
                      "optimal", time_limit)
-        choice = {int(problem.unit_of[o]): int(o) for o in np.flatnonzero(np.round(res.x) > 0)}
+        choice = {int(problem.unit_of[o]): int(o) for o in np.flatnonzero(np.round(res.x[:n_opt]) > 0)}
         peak = problem.sim.run(problem.state(choice)).peak_bytes
         if peak <= budget:
             return choice

@@ -62,7 +62,18 @@ def _switch(problem: Problem, tree: PeakTree, choice: Choice, ui: int, o: int | 
         choice[ui] = o
 
 
-def _best_switch(problem: Problem, tree: PeakTree, current: np.ndarray, unit_cost: np.ndarray,
+def _added(problem: Problem, unit_terms: np.ndarray) -> np.ndarray:
+    """What switching to each option adds to the plan's simulated seconds, from the units' current ``(base,
+    exposed, lane)`` terms (``Problem.terms``): they add up over units but the busy link is one for all, so an
+    offload that is free alone can cost once the link is full."""
+    totals = unit_terms.sum(axis=0)
+    after = totals + problem.terms - unit_terms[problem.unit_of]
+    step = problem.sim.profile.eager_step_seconds
+    now = totals[0] + max(totals[1], totals[2] - step)
+    return after[:, 0] + np.maximum(after[:, 1], after[:, 2] - step) - now
+
+
+def _best_switch(problem: Problem, tree: PeakTree, current: np.ndarray, unit_terms: np.ndarray,
                  over: int | None, used: np.ndarray | None) -> int | None:
     """The option to switch to at the estimated peak (None when none frees bytes there): the most bytes freed per
     second added, one that adds no time first; bytes beyond ``over`` (what the peak is above the budget) count as
@@ -71,7 +82,7 @@ def _best_switch(problem: Problem, tree: PeakTree, current: np.ndarray, unit_cos
     vals = problem.values_at(t)
     now = np.where(current >= 0, vals[np.maximum(current, 0)], 0)
     red = now[problem.unit_of] - vals
-    added = problem.cost - unit_cost[problem.unit_of]
+    added = _added(problem, unit_terms)
     open_ = red > 0
     if used is not None:
         open_ &= ~used
@@ -87,31 +98,31 @@ def _best_switch(problem: Problem, tree: PeakTree, current: np.ndarray, unit_cos
 
 def _arrays(problem: Problem, choice: Choice) -> tuple[np.ndarray, np.ndarray]:
     current = np.full(problem.n_units, -1, dtype=np.int64)
-    unit_cost = np.zeros(problem.n_units)
+    unit_terms = np.zeros((problem.n_units, 3))
     for ui, o in choice.items():
         current[ui] = o
-        unit_cost[ui] = problem.cost[o]
-    return current, unit_cost
+        unit_terms[ui] = problem.terms[o]
+    return current, unit_terms
 
 
 def _growth(problem: Problem, choice: Choice, tree: PeakTree, budget: int | None = None):
     """Switches units, one per step, to the best option at the estimated peak (``choice`` and ``tree`` change in
     place), yielding after each; ends when no option frees bytes at the peak, or when the peak fits ``budget``.
     Each option is taken at most once."""
-    current, unit_cost = _arrays(problem, choice)
+    current, unit_terms = _arrays(problem, choice)
     used = np.zeros(len(problem.options), dtype=bool)
     used[current[current >= 0]] = True
     while True:
         peak, _ = tree.peak()
         if budget is not None and peak <= budget:
             return
-        o = _best_switch(problem, tree, current, unit_cost, None if budget is None else peak - budget, used)
+        o = _best_switch(problem, tree, current, unit_terms, None if budget is None else peak - budget, used)
         if o is None:
             return
         ui = int(problem.unit_of[o])
         _switch(problem, tree, choice, ui, o)
         tree.forget()
-        current[ui], unit_cost[ui], used[o] = o, problem.cost[o], True
+        current[ui], unit_terms[ui], used[o] = o, problem.terms[o], True
         yield
 
 
@@ -131,9 +142,11 @@ def path(problem: Problem) -> list[Choice]:
 
 def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tuple[Choice, np.ndarray]:
     """``choice`` (which the simulator fits under ``budget``, curve ``live``) with each unit, costliest first, moved
-    to its cheapest option the estimate still fits; checked by the simulator (NOTE [Option family cost])."""
+    to its cheapest option the estimate still fits, cheapest with the other units' choices as they are (a busy host
+    link makes an offload that is cheap alone dear); checked by the simulator (NOTE [Option family cost])."""
     curve = np.array(live[: problem.n_t], dtype=np.int64)
     drops: list[tuple[int, int | None]] = []
+    _, unit_terms = _arrays(problem, choice)
     for ui in sorted(choice, key=lambda u: (-problem.cost[choice[u]], u)):
         cur = choice[ui]
         lo, eff = problem.span(cur)
@@ -141,8 +154,8 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tup
         # the curve's largest value before each op and from each op on, to check an option outside its effect
         before = np.concatenate(([np.iinfo(np.int64).min], np.maximum.accumulate(curve)))
         after = np.concatenate((np.maximum.accumulate(curve[::-1])[::-1], [np.iinfo(np.int64).min]))
-        cheaper = sorted((o for o in problem.of_unit[ui] if problem.cost[o] < problem.cost[cur]),
-                         key=lambda o: (problem.cost[o], o))
+        added = _added(problem, unit_terms)
+        cheaper = sorted((o for o in problem.of_unit[ui] if added[o] < 0), key=lambda o: (added[o], o))
         taken: tuple[int | None, int, np.ndarray] = (cur, lo, eff)
         for o in [None, *cheaper]:
             olo, oeff = (0, eff[:0]) if o is None else problem.span(o)
@@ -152,8 +165,9 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tup
                 drops.append((ui, o))
                 taken = (o, olo, oeff)
                 break
-        _, tlo, teff = taken
+        o, tlo, teff = taken
         curve[tlo: tlo + teff.size] += teff
+        unit_terms[ui] = 0.0 if o is None else problem.terms[o]
     if not drops:
         return choice, live
     fitting: dict[int, tuple[Choice, np.ndarray]] = {0: (choice, live)}
