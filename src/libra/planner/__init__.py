@@ -148,7 +148,7 @@ class Selection:
         """The option family (NOTE [Option family] in ``solvers/options.py``); None for selections of more than
         ``FAMILY_MAX_UNITS`` units, where its growth path (quadratic in the units) would dominate planning."""
         if self._family is None and len(self.units) <= FAMILY_MAX_UNITS:
-            self._family = options.Family(self.problem)
+            self._family = options.Family(self.problem, floor=lambda: self.minimum[0])
         return self._family
 
     @property
