@@ -7,7 +7,7 @@ import pytest
 
 import libra
 from libra.planner import Planning
-from libra.planner.solvers import greedy, milp
+from libra.planner.solvers import milp
 
 
 def _steady_times(profile):
@@ -25,29 +25,25 @@ def planning(case):
     return Planning(case.profile)
 
 
-@pytest.fixture
-def steady(case):
-    planning = Planning(_steady_times(case.profile))
-    planning.name = case.name
-    return planning
-
-
 def test_simulator_reproduces_eager_peak(case, planning):
     assert planning.eager.peak_bytes == case.profile.eager_peak_bytes
     # every module ran: nothing reserved for layers a step skipped (NOTE [Layers the profiled step skipped])
     assert planning.unprofiled == [] and planning.reserve_bytes == 0
 
 
+@pytest.mark.parametrize("bandwidth", [None, 2e9], ids=["recompute", "offload-2GB/s"])
 @pytest.mark.parametrize("share", [0.75, 0.5, "min"])
-def test_default_solver_within_1_percent_of_milp(steady, share):
+def test_default_solver_within_1_percent_of_milp(case, share, bandwidth):
     # The exact solver starts from nothing the default found (NOTE [Exact up to interactions] in solvers/milp.py)
     # and its options include plain and hooked calls: the default's plan may be faster (the front's keep-sets are
     # not limited to the options' orderings) but never more than 1% slower. Known misses this caught: ResNet at 75%
     # (three half-used bottleneck blocks where two whole ones fit, 1.33x: NOTE [Detours] in front.py), GPT and MLP
-    # at 75% (three plain blocks where two fit, 1.5x: NOTE [Option family] in solvers/options.py).
-    planning = steady
+    # at 75% (three plain blocks where two fit, 1.5x: NOTE [Option family] in solvers/options.py); with offload,
+    # hooked blocks each cheap alone that together kept the host link busier than the step (NOTE [Prefetch]).
+    planning = Planning(_steady_times(case.profile), bandwidth)
     prof = planning.profile
     solved = 0
+    misses = []
     for sel in planning.selections:  # each region granularity (NOTE [Region granularity])
         # "min": the lowest peak both solvers start their search from, every candidate evicted
         target = sel.full.peak_bytes if share == "min" else planning.target_bytes(prof.budget_for_share(share))
@@ -59,10 +55,25 @@ def test_default_solver_within_1_percent_of_milp(steady, share):
         assert state is not None and choice is not None
         rg, rm = sel.sim.run(state), sel.sim.run(sel.problem.state(choice))
         assert rg.peak_bytes <= target and rm.peak_bytes <= target
-        assert rg.added_seconds <= 1.01 * rm.added_seconds + 1e-12, (sel.granularity, rg.added_seconds,
-                                                                      rm.added_seconds)
+        if rg.added_seconds > 1.01 * rm.added_seconds + 1e-12:
+            misses.append((sel.granularity, rg.added_seconds, rm.added_seconds))
         solved += 1
     assert solved
+    known = _KNOWN_MISSES.get((case.name, bandwidth))
+    if known is None:
+        assert not misses, misses
+    elif misses:  # a strict expected failure: it must still miss, or the entry goes
+        pytest.xfail(f"{known}: {misses}")
+    else:
+        pytest.fail(f"the known miss {(case.name, bandwidth)} is fixed: remove it from _KNOWN_MISSES")
+
+
+# (case, host bandwidth) -> why the default is more than 1% above the exact reference there
+_KNOWN_MISSES = {
+    ("resnet", 2e9): "with offload the option family keeps more hooked bottlenecks than fit the host link beside "
+                     "the step, 7-18% above the exact plan at 75% / 50% / the minimum (measured 2026-12-06); "
+                     "trim switches one unit at a time and the cheaper mix needs two",
+}
 
 
 def test_milp_through_plan(case):
