@@ -28,3 +28,14 @@ def train_pair(eager: torch.nn.Module, ours: torch.nn.Module, plan: libra.Plan,
         ours.zero_grad(set_to_none=True)
         meters.append(meter)
     return meters
+
+
+def plan_anew(model: torch.nn.Module, plan: libra.Plan, step: Callable[[], object]) -> libra.Plan:
+    """Runs ``step`` twice under ``plan`` with ``on_over_budget="warn"``: inputs the plan was not made for are
+    profiled in the first and run under a plan of their own in the second. Returns that plan."""
+    for _ in range(2):
+        with libra.apply(model, plan, on_over_budget="warn"):
+            step()
+        model.zero_grad(set_to_none=True)
+    (other,) = plan.__dict__["_libra_variants"].plans.values()
+    return other

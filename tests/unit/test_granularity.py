@@ -15,6 +15,7 @@ import libra
 from libra.planner import Planning
 from libra.testing import AllocatorMeter, assert_grads_equal
 from libra.testing.models import make_gpt, make_mixer, make_unet
+from pairs import plan_anew
 
 
 def _mixer():
@@ -127,11 +128,5 @@ def test_a_plan_records_its_granularity_and_steps_planned_anew_keep_it(tmp_path)
     with pytest.raises(libra.LibraError, match="unknown granularity 'coarse'"):
         libra.plan(prof, budget, granularity="coarse")
 
-    plan = plans["blocks"]
-    x2, y2 = x[:6], y[:6]
-    for _ in range(2):  # profiled in the first, under its own plan in the second
-        with libra.apply(model, plan, on_over_budget="warn"):
-            loss_fn(model(x2), y2).backward()
-        model.zero_grad(set_to_none=True)
-    (other,) = plan.__dict__["_libra_variants"].plans.values()
+    other = plan_anew(model, plans["blocks"], lambda: loss_fn(model(x[:6]), y[:6]).backward())
     assert other.granularity == "blocks"

@@ -15,6 +15,7 @@ from libra.planner.simulate import EARLY, HOOKED
 from libra.runtime import offload as offload_mod
 from libra.runtime.apply import _ACTIVE_ATTR
 from libra.testing import LiveBytesMeter, assert_grads_equal
+from pairs import plan_anew
 
 FAST = 1e13  # bytes per second: offloading is nearly free
 SLOW = 1e6
@@ -450,10 +451,10 @@ class _DeviceMeter(LiveBytesMeter):
             super()._track(t)
 
 
-def test_hooked_plan_peak_is_predicted(case, monkeypatch):
-    """The simulator's model of a hooked call (device copy gone once copied, back at the prefetch) against a
-    meter that counts everything but the host buffers."""
-    plan = _hooked_plan(case)
+def _device_peaks(case, plan, monkeypatch) -> tuple[int, int]:
+    """(measured, predicted) peak bytes of two steps under ``plan`` above what was live when the step began (other
+    tests of this module may leave tensors behind), measured by a meter that counts everything but the offload
+    pool's host buffers."""
     buffers: set = set()
     acquire = offload_mod.HostPool.acquire
 
@@ -469,9 +470,14 @@ def test_hooked_plan_peak_is_predicted(case, monkeypatch):
             with _DeviceMeter(buffers, extra=list(model.parameters())) as meter:
                 case.loss_fn(model(case.x), case.y).backward()
             model.zero_grad(set_to_none=True)
-    # above what was live when the step began: other tests of this module may leave tensors behind
-    measured = meter.peak_bytes - meter.start_bytes
-    predicted = plan.predicted_peak_bytes - case.profile.static_bytes
+    return meter.peak_bytes - meter.start_bytes, plan.predicted_peak_bytes - case.profile.static_bytes
+
+
+def test_hooked_plan_peak_is_predicted(case, monkeypatch):
+    """The simulator's model of a hooked call (device copy gone once copied, back at the prefetch) against a
+    meter that counts everything but the host buffers."""
+    plan = _hooked_plan(case)
+    measured, predicted = _device_peaks(case, plan, monkeypatch)
     assert abs(measured - predicted) <= 0.05 * plan.predicted_peak_bytes, (measured, predicted)
 
 
@@ -486,12 +492,7 @@ def test_inputs_planned_anew_are_planned_as_the_plan_was():
     planning = Planning(prof, FAST, {"keep", "offload"})
     plan = libra.plan(planning, max(prof.budget_for_share(0.7), planning.min_budget_bytes()))
     assert plan.counts[libra.Decision.OFFLOAD] > 0 and plan.counts[libra.Decision.RECOMPUTE] == 0
-    x2, y2 = x[:384], y[:384]
-    for _ in range(2):  # profiled in the first, under its own plan in the second
-        with libra.apply(model, plan, on_over_budget="warn"):
-            loss_fn(model(x2), y2).backward()
-        model.zero_grad(set_to_none=True)
-    (other,) = plan.__dict__["_libra_variants"].plans.values()
+    other = plan_anew(model, plan, lambda: loss_fn(model(x[:384]), y[:384]).backward())
     assert other.allowed == ["keep", "offload"] and other.host_bandwidth == FAST
     assert other.counts[libra.Decision.RECOMPUTE] == 0
 
@@ -535,9 +536,8 @@ def test_an_unplanned_call_brings_the_next_offloads_back(case, monkeypatch):
     (region,) = plan.regions
     assert region.prefetch_after == [trigger.module, trigger.call]
 
-    events, watched, buffers = [], [], set()
+    events, watched = [], []
     prefetch, run, trigger_run = region_mod.RegionRun.prefetch, region_mod.RegionRun.run, region_mod.TriggerRun.run
-    acquire = offload_mod.HostPool.acquire
 
     def recording_prefetch(self):
         events.append("prefetch")
@@ -552,24 +552,11 @@ def test_an_unplanned_call_brings_the_next_offloads_back(case, monkeypatch):
         watched.append(self.module)
         return trigger_run(self, *args, **kwargs)
 
-    def marking(self, nbytes):
-        buf = acquire(self, nbytes)
-        buffers.add(buf.untyped_storage()._cdata)
-        return buf
-
     monkeypatch.setattr(region_mod.RegionRun, "prefetch", recording_prefetch)
     monkeypatch.setattr(region_mod.RegionRun, "run", recording_run)
     monkeypatch.setattr(region_mod.TriggerRun, "run", watching)
-    monkeypatch.setattr(offload_mod.HostPool, "acquire", marking)
     case.train(plan, steps=2)
     assert watched and set(watched) == {trigger.module}
     assert events[:2] == ["prefetch", "replay"], events
-    model = case.ours
-    with libra.apply(model, plan):
-        for step in range(2):  # the second step reuses the first one's buffers
-            with _DeviceMeter(buffers, extra=list(model.parameters())) as meter:
-                case.loss_fn(model(case.x), case.y).backward()
-            model.zero_grad(set_to_none=True)
-    measured = meter.peak_bytes - meter.start_bytes
-    predicted = plan.predicted_peak_bytes - prof.static_bytes
+    measured, predicted = _device_peaks(case, plan, monkeypatch)
     assert measured <= predicted, (measured, predicted)
