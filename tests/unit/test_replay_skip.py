@@ -43,11 +43,14 @@ def test_needed_ops_follow_storages_back_from_what_backward_saves():
 def test_skipped_ops_do_not_run_and_gradients_are_exact(monkeypatch, caplog):
     model, x, y, loss_fn, prof = _gpt()
     planning = Planning(prof)
+    def skips_a_matmul(plan) -> bool:  # what the flop counter below sees
+        return any("mm" in r.ops[j] for r in plan.regions for j in r.skip)
+
     for share in (0.6, 0.7, 0.8, 0.5):  # a budget where the plan keeps some of a region's outputs
         plan = libra.plan(planning, max(prof.budget_for_share(share), planning.min_budget_bytes()))
-        if any(r.skip for r in plan.regions):
+        if skips_a_matmul(plan):
             break
-    assert any(r.skip for r in plan.regions), "a partial plan should leave some replayed ops out"
+    assert skips_a_matmul(plan), "a partial plan should leave some replayed matmuls out"
     eager, ours, plain = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
     no_skip = copy.deepcopy(plan)
     for r in no_skip.regions:

@@ -235,7 +235,12 @@ class Planning:
     def _lowest_of(self, sel: Selection) -> tuple[State, SimResult]:
         if "keep" not in self.decisions or not self.kinds:
             return sel.full_state, sel.full
-        return sel.minimum
+        state, got = sel.minimum
+        if sel.family is not None:  # trimming the lowest plan can end lower still (NOTE [Option family])
+            for _, peak, member in sel.family.members:
+                if peak < got.peak_bytes:
+                    state, got = member, sel.sim.run(member)
+        return state, got
 
     @property
     def lowest(self) -> Selection:
