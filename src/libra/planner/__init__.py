@@ -148,7 +148,7 @@ class Selection:
         """The option family (NOTE [Option family] in ``solvers/options.py``); None for selections of more than
         ``FAMILY_MAX_UNITS`` units, where its growth path (quadratic in the units) would dominate planning."""
         if self._family is None and len(self.units) <= FAMILY_MAX_UNITS:
-            self._family = options.Family(self.problem, floor=lambda: self.minimum[0])
+            self._family = options.Family(self.problem)
         return self._family
 
     @property
@@ -235,12 +235,7 @@ class Planning:
     def _lowest_of(self, sel: Selection) -> tuple[State, SimResult]:
         if "keep" not in self.decisions or not self.kinds:
             return sel.full_state, sel.full
-        state, got = sel.minimum
-        if sel.family is not None:  # trimming the lowest plan can end lower still (NOTE [Option family])
-            for _, peak, member in sel.family.members:
-                if peak < got.peak_bytes:
-                    state, got = member, sel.sim.run(member)
-        return state, got
+        return sel.minimum
 
     @property
     def lowest(self) -> Selection:
@@ -269,6 +264,8 @@ class Planning:
     def solve(self, budget: int, solver: str = "greedy", time_limit: float = 60.0) -> tuple[Selection, State] | None:
         """The fastest plan for ``budget`` bytes among the selections, as ``(selection, state)``; None when none
         fits. Equal predicted times go to the finer selection."""
+        if "keep" in self.decisions and budget - self.reserve_bytes >= self.eager.peak_bytes:
+            return self.selections[0], {}  # everything kept: no need for the lowest peak or the solvers
         best = None
         target = self.target_bytes(budget)
         for sel in self.selections:

@@ -18,10 +18,7 @@ depend on ``b`` whose simulated peak fits ``b``. The family:
   ``PATH_PLANS`` more evenly spaced;
 - the growth to each of ``RUNGS`` budgets evenly spaced from the path's lowest simulated peak to eager's (with
   the simulator's corrections where units interact), trimmed at that budget: these reach budgets between the
-  path's plans. One growth goes down the rungs, each going on from the last one's untrimmed plan;
-- the selection's lowest-peak plan, trimmed at its own peak, where its entries are options: the growth may stop
-  above it (the bench GPT with a 2 GB/s link at its minimum: the untrimmed floor 1.164x eager, trimmed 1.065x, the
-  option MILP's 1.065x).
+  path's plans. One growth goes down the rungs, each going on from the last one's untrimmed plan.
 
 The planner takes the cheaper of this family's plan and the move-level front's (``front.py``), both chosen by the
 same rule, so the result stays monotone. Neither alone is enough (``bench/planner_family.py``): in the steady-time
@@ -210,13 +207,10 @@ class Family:
 
     Args:
         problem: the units' options.
-        floor: the lowest-peak plan found for the problem's selection (``Selection.minimum``), or a callable that
-            gives it when the family is built; trimmed at its own peak, it is a member.
     """
 
-    def __init__(self, problem: Problem, floor=None) -> None:
+    def __init__(self, problem: Problem) -> None:
         self.problem = problem
-        self.floor = floor
         self._members: list[tuple[float, int, State]] | None = None  # (added seconds, simulated peak, state)
 
     @property
@@ -257,11 +251,6 @@ class Family:
             if live is None:
                 break
             add(pr.state(trim(pr, rung, choice, live)[0]))
-        floor = self.floor() if callable(self.floor) else self.floor
-        choice = None if floor is None else pr.choice_of(floor)
-        if choice is not None:  # the lowest plan, trimmed at its peak: the family's growth may stop above it
-            live, _ = sim.live(floor)
-            add(pr.state(trim(pr, int(live.max()), choice, live)[0]))
         return sorted(found.values(), key=lambda m: (m[0], m[1], len(m[2])))
 
     def solve(self, budget: int) -> State | None:
