@@ -7,6 +7,7 @@ of a checkpointed region is NOTE [Region model] in ``regions.py``.
 from __future__ import annotations
 
 import bisect
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -279,12 +280,11 @@ class Simulator:
         for s, owners in shared.items():  # NOTE [Shared hooked storages]: one copy for all its calls
             t_r = min(self.units[ui].instances[ii].t_r for ui, ii in owners)  # the first of them in backward
             start, t_r, end = self._copy_span(s, self.packs_of[s], t_r)
-            # back at the first trigger of an early owner, else when the first of them starts its backward
-            prefetch = min([t_r] + [self._prefetch_at[o] for o in owners if EARLY in state[o[0]]])
+            prefetch = min(self.prefetch_at(ui, ii, state[ui]) for ui, ii in owners)  # the first to come back
             self._offload_span(s, start, t_r, end, prefetch, touched, holders, extra_copies, exposed, lane)
         for ui, cached in state.items():
             if is_hooked(cached):
-                self._hooked(ui, EARLY in cached, touched, holders, extra_copies, base, exposed, lane, shared,
+                self._hooked(ui, cached, touched, holders, extra_copies, base, exposed, lane, shared,
                              offload_inputs)
                 continue
             rec = self._unit_record(ui, cached)
@@ -316,11 +316,11 @@ class Simulator:
             intervals[s] = (a, end)
         return intervals, extra_copies, bursts, held, (base.value(), exposed.value(), lane.value())
 
-    def added_seconds(self, terms: tuple[float, float, float]) -> float:
-        """The added seconds of a plan's ``(base, exposed, lane)`` terms: copies run on their own lane, exposed
-        where a prefetch is late, and wherever the lane is busier than the step."""
+    def added_seconds(self, terms):
+        """The added seconds of a plan's ``(base, exposed, lane)`` terms (floats, or arrays of them): copies run on
+        their own lane, exposed where a prefetch is late, and wherever the lane is busier than the step."""
         base, exposed, lane = terms
-        return base + max(exposed, lane - self.profile.eager_step_seconds)
+        return base + np.maximum(exposed, lane - self.profile.eager_step_seconds)
 
     def _unit_record(self, ui: int, cached: frozenset[int]) -> "_UnitRecord":
         """What region unit ``ui`` keeping ``cached`` (or plain) adds to :meth:`_plan`, remembered per (unit,
@@ -331,10 +331,8 @@ class Simulator:
             return rec
         if EARLY in cached:  # the same but where the offloads come back: from the record without the flag
             late = self._unit_record(ui, cached - {EARLY})
-            rec = self._records[key] = _UnitRecord()
-            for slot in ("touched", "holders", "bursts", "held", "base", "lane", "offloads"):
-                setattr(rec, slot, getattr(late, slot))
-            rec.copies = list(late.copies[: len(late.copies) - len(late.offloads)])
+            rec = self._records[key] = copy.copy(late)
+            rec.copies = late.copies[: len(late.copies) - len(late.offloads)]
             self._copies_back(ui, cached, rec)
             return rec
         n = self.n
@@ -504,16 +502,15 @@ class Simulator:
         exposed.add(max(0.0, seconds - (self._op_time[t_r] - self._op_time[prefetch])))
         lane.add(2 * seconds)
 
-    def _hooked(self, ui: int, early: bool, touched: dict, holders: dict, extra_copies: list,
+    def _hooked(self, ui: int, cached: frozenset[int], touched: dict, holders: dict, extra_copies: list,
                 base: "_ExactSum", exposed: "_ExactSum", lane: "_ExactSum", shared: dict,
                 offload_inputs: set[int]) -> None:
         """A hooked unit's changes to the timeline and its seconds (NOTE [Hooked regions]), added in place; the
         storages it shares with other hooked calls are the caller's (:meth:`hook_sharing`)."""
         for ii, inst in enumerate(self.units[ui].instances):
-            trigger = self._prefetch_at[(ui, ii)]  # hooked calls all unpack (hook_ok)
+            prefetch = self.prefetch_at(ui, ii, cached)
             for s, start, t_r, end in self._hooked_copies(ui, ii, shared, ui in offload_inputs):
-                self._offload_span(s, start, t_r, end, trigger if early else t_r, touched, holders,
-                                   extra_copies, exposed, lane)
+                self._offload_span(s, start, t_r, end, prefetch, touched, holders, extra_copies, exposed, lane)
             if ui not in offload_inputs:
                 # the inputs it keeps are saved on the device as in eager: held until autograd lets go of their
                 # saves (eager's free, where that comes in backward: NOTE [Release after unpack])
@@ -599,8 +596,10 @@ class Simulator:
 
     def _unit_time(self, ui: int, cached: frozenset[int]):
         """The terms of the added seconds that unit ``ui`` with ``cached`` kept contributes on its own, exactly as
-        :meth:`_plan` sums them: ``(base, lane, exposed)`` as :class:`_ExactSum` totals. Remembered per (unit,
-        cached)."""
+        :meth:`_plan` sums them: ``(base, lane, exposed)`` as :class:`_ExactSum` totals, the same as
+        :meth:`_unit_record`'s, without building the rest of a record the time model's trial states mostly never
+        use (taking them from records made GPT-2-small-like planning with offload 4-8% slower). Remembered per
+        (unit, cached)."""
         got = self._unit_times.get((ui, cached))
         if got is None:
             got = self._unit_times[(ui, cached)] = self._unit_time_of(ui, cached)
@@ -658,7 +657,7 @@ class Simulator:
         takes them off after its end. Linear in the size of the units in ``state``, not in the profile's length.
         """
         pos, val, terms = self.changes_and_terms(state)
-        return pos, val, self.added_seconds(terms)
+        return pos, val, float(self.added_seconds(terms))
 
     def changes_and_terms(self, state: State) -> tuple[np.ndarray, np.ndarray, tuple[float, float, float]]:
         """:meth:`changes`, with the added seconds as their ``(base, exposed, lane)`` terms (:meth:`added_seconds`):
@@ -758,8 +757,7 @@ class TimeModel:
 
     def seconds(self) -> float:
         scale = 1 << _ExactSum._SHIFT
-        return self._base / scale + max(self._exposed / scale,
-                                        self._lane / scale - self.sim.profile.eager_step_seconds)
+        return float(self.sim.added_seconds((self._base / scale, self._exposed / scale, self._lane / scale)))
 
     def set(self, ui: int, cached: frozenset[int] | None) -> None:
         """Unit ``ui`` now keeps ``cached`` (None: it is not checkpointed)."""

@@ -168,7 +168,7 @@ class OffloadContext:
         runs = self.runs
         if key is not None:
             runs[key] = weakref.ref(run)
-        targets = self.after.get(key, ()) if key is not None else ()
+        targets = self.after.get(key, ())
 
         def backward_started() -> None:
             for target in targets:

@@ -79,7 +79,8 @@ def solve(problem: Problem, budget: int, *, time_limit: float = 60.0) -> Choice 
         if remaining <= 0:
             break
         rows = np.flatnonzero(eager + worst > target)
-        memory = csr_matrix(np.hstack([dense[rows].astype(np.float64), np.zeros((len(rows), 1))]))
+        memory = csr_matrix(dense[rows].astype(np.float64))
+        memory.resize(len(rows), n_opt + 1)  # w takes no memory
         res = milp(
             np.append(base, 1.0),
             constraints=[LinearConstraint(memory, -np.inf, target - eager[rows]),

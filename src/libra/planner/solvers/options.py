@@ -68,9 +68,7 @@ def _added(problem: Problem, unit_terms: np.ndarray) -> np.ndarray:
     offload that is free alone can cost once the link is full."""
     totals = unit_terms.sum(axis=0)
     after = totals + problem.terms - unit_terms[problem.unit_of]
-    step = problem.sim.profile.eager_step_seconds
-    now = totals[0] + max(totals[1], totals[2] - step)
-    return after[:, 0] + np.maximum(after[:, 1], after[:, 2] - step) - now
+    return problem.sim.added_seconds(after.T) - problem.sim.added_seconds(totals)
 
 
 def _best_switch(problem: Problem, tree: PeakTree, current: np.ndarray, unit_terms: np.ndarray,
