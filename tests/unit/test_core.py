@@ -67,8 +67,8 @@ def test_model_is_restored_after_apply(case):
 @pytest.mark.parametrize("bandwidth", [None, 1e10], ids=["recompute", "offload"])
 def test_the_minimum_is_the_least_any_plan_reaches(case, bandwidth):
     """``min_budget_bytes`` is the lowest peak of every plan the planner can return, whatever the op times: a plan
-    below it raises, one at it fits (the option family holds the lowest plan trimmed at its peak, which can end
-    lower than it: CI once planned below the named minimum on the MLP's measured times)."""
+    below it raises, one at it fits (a fresh-clone run once planned below the named minimum on the MLP's measured
+    times, while the option family held the lowest plan trimmed at its peak, which could end lower than it)."""
     for seed in range(3):
         prof = copy.deepcopy(case.profile)
         rng = random.Random(seed)

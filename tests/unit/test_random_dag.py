@@ -213,10 +213,18 @@ HELD_BY_THE_BLOCK = (Node("linear", (0,)), Node("linear", (0,)), Node("linear", 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "the plan that recomputes the second block whole (plain checkpoint) measures 18,936 B over its "
     "prediction: the block's forward peak, where the simulator lets go of a storage the block's Python still holds "
-    "(the profiler could record when Python drops each tensor object, which weakref finalizers on the tensors show)"))
+    "(a weakref finalizer on each tensor object does not show when Python drops it: it fires when the storage "
+    "dies)"))
 def test_a_block_that_holds_its_nodes_outputs_is_predicted():
     """Two blocks of three linears, the second recomputed whole: measured with the allocator against the plan's
     predicted peak."""
+    measured, predicted = _held_by_the_block_peaks()
+    assert measured <= predicted, (measured, predicted)
+
+
+def _held_by_the_block_peaks() -> tuple[int, int]:
+    """(measured, predicted) peak of the plan above, in a frame of its own: the expected failure's traceback keeps
+    the test's frame, which must hold no tensors (later tests count what is live when their steps start)."""
     from libra.planner.simulate import PLAIN
 
     torch.manual_seed(0)
@@ -235,4 +243,4 @@ def test_a_block_that_holds_its_nodes_outputs_is_predicted():
             with libra.apply(ours, plan):
                 dm.step(ours, data)
         ours.zero_grad(set_to_none=True)
-    assert meter.peak_bytes <= plan.predicted_peak_bytes, (meter.peak_bytes, plan.predicted_peak_bytes)
+    return meter.peak_bytes, plan.predicted_peak_bytes
