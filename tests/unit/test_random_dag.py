@@ -204,27 +204,22 @@ def test_fixed_stack_recomputes_or_offloads(blocks, bandwidth):
 
 
 # A block whose forward keeps every node's output in a list until it returns: the second linear's output is saved by
-# the third, so eager never shows when Python lets go of it, and the simulator assumes the innermost module call that
-# made it (the Linear) holds it to its end (NOTE [Who holds a storage] in planner/simulate.py); the block's list holds
-# it to the block's end. Found by the property on a fresh clone (2026-12-06); present at ec4b4fd too.
+# the third, so eager never shows when Python lets go of it; the block's list holds it to the block's end, which the
+# profiler records (NOTE [Python's hold] in profiler/recorder.py). Found by the property on a fresh clone.
 HELD_BY_THE_BLOCK = (Node("linear", (0,)), Node("linear", (0,)), Node("linear", (2,)))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the plan that recomputes the second block whole (plain checkpoint) measures 18,936 B over its "
-    "prediction: the block's forward peak, where the simulator lets go of a storage the block's Python still holds "
-    "(a weakref finalizer on each tensor object does not show when Python drops it: it fires when the storage "
-    "dies)"))
 def test_a_block_that_holds_its_nodes_outputs_is_predicted():
-    """Two blocks of three linears, the second recomputed whole: measured with the allocator against the plan's
-    predicted peak."""
+    """Two blocks of three linears, the second recomputed whole, whose forward keeps every node's output in a list
+    until it returns: measured with the allocator, the plan's peak is its prediction (it was 18,936 B above it while
+    the simulator assumed each storage held only to the end of the Linear that made it; NOTE [Python's hold])."""
     measured, predicted = _held_by_the_block_peaks()
-    assert measured <= predicted, (measured, predicted)
+    assert measured == predicted, (measured, predicted)
 
 
 def _held_by_the_block_peaks() -> tuple[int, int]:
-    """(measured, predicted) peak of the plan above, in a frame of its own: the expected failure's traceback keeps
-    the test's frame, which must hold no tensors (later tests count what is live when their steps start)."""
+    """(measured, predicted) peak of the plan above, in a frame of its own: a failure's traceback keeps the test's
+    frame, which must hold no tensors (later tests count what is live when their steps start)."""
     from libra.planner.simulate import PLAIN
 
     torch.manual_seed(0)

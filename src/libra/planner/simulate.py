@@ -185,15 +185,17 @@ class Simulator:
         for pi, p in enumerate(profile.packs):
             self.packs_of.setdefault(p.storage, []).append(pi)
             self.pack_end.append(p.last_unpack if p.last_unpack >= 0 else n)
-        # A local variable of the forward that made a storage may hold it until that forward returns: for storages
-        # autograd also saves (so eager does not show when Python let go), assume the innermost non-root module call
-        # that produced it holds it to its end.
+        # Python's own hold on a storage autograd also saves, which eager hides behind the saves: the profiler records
+        # when the last tensor object of it that a forward op returned died (a frame's local, a list the forward keeps
+        # until it returns). A profile made by hand has no record: assume the innermost non-root module call that
+        # produced the storage holds it to its end.
         call_end = np.full(n, -1, dtype=np.int64)
         for c in sorted(profile.module_calls, key=lambda c: c.depth):
             if c.parent != -1:
                 call_end[c.start_op : c.end_op] = c.end_op - 1
         producer = np.array([s.producer for s in st], dtype=np.int64)
-        local_end = np.where(producer >= 0, call_end[np.maximum(producer, 0)], -1)
+        held = np.array([s.held_op for s in st], dtype=np.int64)
+        local_end = np.where(held >= 0, held, np.where(producer >= 0, call_end[np.maximum(producer, 0)], -1))
         self.python_end = np.where(
             [s in self.packs_of for s in range(len(st))],
             np.maximum(np.maximum(last_use, self.alloc), local_end),

@@ -78,6 +78,7 @@ class Recorder(TorchDispatchMode):
         self.calls: list = []  # under fake tensors: each op's OpCall, to be benchmarked on real ones
         self._sid: dict[int, int] = {}
         self._finalizers: list[weakref.finalize] = []
+        self._drops: list[weakref.finalize] = []  # one per tensor object a forward op returned (NOTE [Python's hold])
         self._resized_from: dict[int, int] = {}  # NOTE [Resized storages]: first record of a storage -> its current
         self._resized_away: set[int] = set()  # records already freed by a resize
         self.hook_depth = 0  # > 0 while FSDP2's forward hooks run (NOTE [FSDP2's hooks are never replayed])
@@ -124,6 +125,18 @@ class Recorder(TorchDispatchMode):
         record = self.storages[sid]
         record.free_op = max(len(self.ops) - 1, record.alloc_op)
         self.live_bytes -= record.nbytes
+
+    def _watch_drop(self, t: torch.Tensor, sid: int) -> None:
+        """NOTE [Python's hold]: autograd's saves keep a storage alive in eager, so its free time does not show when
+        Python let go of it; under a plan that saves nothing there, that moment is when it dies. A finalizer on each
+        tensor object a forward op returns fires when Python drops the object: the pack hook holds a detached alias,
+        not the object itself (an object autograd holds outlives Python's references to it)."""
+        self._drops.append(weakref.finalize(t, self._on_drop, sid))
+
+    def _on_drop(self, sid: int) -> None:
+        sid = self._resized_from.get(sid, sid)
+        record = self.storages[sid]
+        record.held_op = max(record.held_op, len(self.ops) - 1, record.alloc_op)
 
     def on_resize(self, storage, before_bytes: int) -> None:
         """NOTE [Resized storages]: FSDP2 frees an all-gathered parameter by resizing its storage to 0 bytes and
@@ -181,6 +194,13 @@ class Recorder(TorchDispatchMode):
                     self.storages[sid].free_op = n
                 fin.detach()
         self._finalizers.clear()
+        for fin in self._drops:
+            info = fin.peek()
+            if info is not None:
+                (sid,) = info[2]
+                self.storages[self._resized_from.get(sid, sid)].held_op = n
+                fin.detach()
+        self._drops.clear()
         self._sid.clear()
         self._fakes.clear()
         self._resized_from.clear()
@@ -242,6 +262,7 @@ class Recorder(TorchDispatchMode):
         outputs: list[int] = []
         returned: list[int] = []
         n_known = len(self.storages)
+        backward = torch._C._current_autograd_node() is not None
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 sid = self._register(t, index, index, False)
@@ -249,11 +270,13 @@ class Recorder(TorchDispatchMode):
                     outputs.append(sid)
                 if sid >= 0 and sid not in returned:
                     returned.append(sid)
+                if sid >= 0 and not backward:
+                    self._watch_drop(t, sid)
         self.ops.append(
             OpRecord(
                 name=info.name,
                 seconds=(t1 - t0) / 1e9,
-                backward=torch._C._current_autograd_node() is not None,
+                backward=backward,
                 module=self.module_stack[-1] if self.module_stack else "",
                 inputs=sorted(set(inputs)),
                 outputs=outputs,
@@ -297,7 +320,7 @@ class Recorder(TorchDispatchMode):
         call = self.call_stack[-1] if self.call_stack else -1
         self.packs.append(PackRecord(storage=sid, pack_op=len(self.ops), module_call=call))
         self.bookkeeping_ns += time.perf_counter_ns() - t_enter
-        return (len(self.packs) - 1, t)
+        return (len(self.packs) - 1, t.detach())  # an alias: never the object Python holds (NOTE [Python's hold])
 
     def unpack(self, packed):
         index, t = packed

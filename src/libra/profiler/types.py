@@ -15,8 +15,8 @@ from libra.errors import PlanFormatError
 
 __all__ = ["OpRecord", "StorageRecord", "PackRecord", "ModuleCall", "Profile", "PROFILE_SCHEMA_VERSION"]
 
-PROFILE_SCHEMA_VERSION = 3  # 2: per-op transient bytes and the allocator's own peak (NOTE [Allocator truth]);
-# 3: the host link's bandwidth, measured by the profiler
+PROFILE_SCHEMA_VERSION = 4  # 2: per-op transient bytes and the allocator's own peak (NOTE [Allocator truth]);
+# 3: the host link's bandwidth, measured by the profiler; 4: when Python let go of each storage (StorageRecord.held_op)
 
 
 @dataclass
@@ -50,6 +50,9 @@ class StorageRecord:
     free_op: int  # last op index during which it was alive; n_ops when it outlived the step
     producer: int = -1  # op index that allocated it, -1 if static or opaque
     static: bool = False
+    # last op index during which a tensor object of it that a forward op returned was alive (NOTE [Who holds a
+    # storage] in planner/simulate.py); n_ops when one outlived the step, -1 when not recorded (profiles made by hand)
+    held_op: int = -1
 
 
 @dataclass
