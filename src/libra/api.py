@@ -16,9 +16,12 @@ from typing import Callable
 import torch
 
 from libra.errors import BudgetInfeasibleError, LibraError
+from libra.planner import Planning
 from libra.planner import plan as make_plan
 from libra.planner.types import Plan
-from libra.profiler import FakeStep, StepRecording, dispatch_overhead_seconds, model_device
+from libra.profiler import FakeStep, StepRecording, dispatch_overhead_seconds, model_device, retime
+from libra.profiler.fake import benchmark_ops
+from libra.profiler.timed import StepTimer, align, first_difference
 from libra.profiler.types import Profile
 from libra.runtime.apply import apply as _runtime_apply
 from libra.runtime.calibrate import step_calibrations
@@ -51,7 +54,11 @@ def profile(model: torch.nn.Module, step: Callable[[], object], *, fake: bool | 
         timing: with ``fake``, how op times are found: ``"benchmark"`` (each distinct op run alone at its recorded
             shapes, which also measures its temporary memory) or ``"estimate"`` (from each op's floating-point
             operations and bytes at the device's measured rates, running nothing at those shapes: for steps too big
-            to time op by op; NOTE [Estimated op times] in profiler/fake.py).
+            to time op by op; NOTE [Estimated op times] in profiler/fake.py), or ``"safe"``: the step runs once for
+            real under the fake profile's lowest-peak plan, every module call recomputed (about half of eager's
+            activation memory), and each op takes its time and temporaries from there (NOTE [Safe timing] in
+            profiler/timed.py). That step trains as a plain call would (gradients, buffers, the RNG); where its ops
+            are not the fake step's, each op is benchmarked instead, with a warning.
 
     Returns:
         A :class:`Profile`.
@@ -70,9 +77,12 @@ def profile(model: torch.nn.Module, step: Callable[[], object], *, fake: bool | 
         raise LibraError(f"libra.profile: expected a torch.nn.Module, got {type(model).__name__}.")
     if not callable(step):
         raise LibraError(f"libra.profile: expected a callable step, got {type(step).__name__}.")
-    if timing not in ("benchmark", "estimate"):
-        raise LibraError(f"libra.profile: timing should be 'benchmark' or 'estimate', got {timing!r}.")
+    if timing not in ("benchmark", "estimate", "safe"):
+        raise LibraError(f"libra.profile: timing should be 'benchmark', 'estimate' or 'safe', got {timing!r}.")
     device = model_device(model)
+    if timing == "safe" and device.type == "meta":
+        raise LibraError("libra.profile: timing='safe' runs the step once for real, and the model's parameters are on "
+                         "'meta' (no values). Fix: build the model on its device, or pass timing='benchmark'.")
     if fake is not False and fake is not True:
         try:
             device = torch.device(fake)
@@ -85,7 +95,7 @@ def profile(model: torch.nn.Module, step: Callable[[], object], *, fake: bool | 
             "step will run on. Fix: profile it fake there, libra.profile(model, step, fake='cuda:0') or fake='cpu'."
         )
     if timing != "benchmark" and not fake:
-        raise LibraError("libra.profile: timing='estimate' is for fake profiles; a real step times its own ops. "
+        raise LibraError(f"libra.profile: timing={timing!r} is for fake profiles; a real step times its own ops. "
                          "Fix: pass fake=True, or leave timing as it is.")
     fake_step = None
     if fake is not False:
@@ -103,7 +113,41 @@ def profile(model: torch.nn.Module, step: Callable[[], object], *, fake: bool | 
     finally:
         if fake_step is not None:
             fake_step.__exit__(None, None, None)
-    return recording.finish()
+    prof = recording.finish()
+    if timing == "safe":
+        _time_safely(model, step, prof, recording)
+    return prof
+
+
+def _time_safely(model: torch.nn.Module, step: Callable[[], object], prof: Profile,
+                 recording: StepRecording) -> None:
+    """NOTE [Safe timing] in profiler/timed.py: op times (and temporaries) from one real step under the fake
+    profile's lowest-peak recompute plan; where that step's ops are not the profile's, each op is benchmarked alone
+    instead."""
+    planning = Planning(prof, decisions=("recompute",))
+    sel = planning.lowest
+    state = sel.lowest_state
+    result = sel.sim.run(state)
+    lowest = planning.build(state, result.peak_bytes, result, "timing", 0.0, sel)
+    timer = StepTimer(recording.device)
+    with _runtime_apply(model, lowest, on_over_budget="raise", replanner=None):
+        with timer:
+            step()
+    names = [o.name for o in prof.ops]
+    found = align(names, timer)
+    if found is None:
+        log.warning("libra.profile(timing='safe'): the timed step's ops are not the fake step's (%s); timing each op "
+                    "alone instead (timing='benchmark')", first_difference(names, timer))
+        seconds, transient = benchmark_ops(recording.calls, recording.device)
+        retime(prof, seconds, transient, "benchmark")
+        return
+    seconds, transient = found
+    if transient is None:
+        log.warning("libra.profile(timing='safe'): the allocator was not watched during the timed step (another "
+                    "profiler is running?); kernels' temporary memory is not measured in this profile")
+    retime(prof, seconds, transient, "safe")
+    log.info("libra.profile: op times from one real step with every module call recomputed (peak %s predicted, "
+             "eager's %s)", format_bytes(result.peak_bytes), format_bytes(prof.eager_peak_bytes))
 
 
 class _Replanner:

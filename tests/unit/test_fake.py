@@ -200,6 +200,10 @@ def test_estimated_times_are_for_fake_profiles_and_meta_needs_a_device():
         libra.profile(cpu, lambda: cpu(x).sum().backward(), fake=True, timing="fast")
     with pytest.raises(LibraError, match="fake should be True or a device"):
         libra.profile(cpu, lambda: cpu(x).sum().backward(), fake="gpu please")
+    with pytest.raises(LibraError, match="timing='safe' runs the step once for real.*Fix"):
+        libra.profile(meta, step, fake="cpu", timing="safe")
+    with pytest.raises(LibraError, match="timing='safe' is for fake profiles"):
+        libra.profile(cpu, lambda: cpu(x).sum().backward(), timing="safe")
 
 
 def test_estimated_times_warn_where_convolutions_hide_their_temporaries(caplog):
@@ -207,3 +211,77 @@ def test_estimated_times_warn_where_convolutions_hide_their_temporaries(caplog):
     with caplog.at_level("WARNING", logger="libra"):
         libra.profile(model, lambda: loss_fn(model(x), y).backward(), fake=True, timing="estimate")
     assert any("convolution ops" in r.getMessage() and "timing='benchmark'" in r.getMessage() for r in caplog.records)
+
+
+# ---- op times from a real step that recomputes every module call (NOTE [Safe timing] in profiler/timed.py) ----------
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_safe_timing_times_a_real_step_under_the_lowest_recompute_plan(name):
+    """The timed step is a real training step (gradients bit-equal to eager's) that holds the lowest-peak plan's
+    memory, far under eager's; its times fill every op, its temporaries are the ones a real profile measures, and the
+    memory side of the profile is the fake one's."""
+    from libra.testing import AllocatorMeter, assert_grads_equal
+
+    model, x, y, loss_fn = BUILDERS[name]()
+    eager = copy.deepcopy(model)
+    torch.manual_seed(5)
+    loss_fn(eager(x), y).backward()
+    torch.manual_seed(5)
+    with AllocatorMeter(extra=list(model.parameters())) as meter:
+        safe = libra.profile(model, lambda: loss_fn(model(x), y).backward(), fake=True, timing="safe")
+    assert_grads_equal(eager, model)
+    model.zero_grad(set_to_none=True)
+    real = libra.profile(model, lambda: loss_fn(model(x), y).backward())
+    assert safe.provenance == {"memory": "fake", "op_seconds": "safe", "host_bandwidth": "none"}
+    # all but the static bytes, which count every tensor on the device (the eager copy's, here)
+    assert _canonical(safe)[:4] == _canonical(real)[:4]
+    assert all(o.seconds > 0 for o in safe.ops)
+    assert safe.eager_step_seconds == pytest.approx(sum(o.seconds for o in safe.ops))
+    lowest = Planning(safe, decisions=("recompute",)).lowest_peak_bytes()
+    assert meter.peak_bytes - meter.start_bytes < 0.6 * (real.eager_peak_bytes - real.static_bytes)
+    assert lowest < 0.6 * real.eager_peak_bytes
+    if name == "resnet":  # the step's own temporaries, op by op, as the real profile's
+        pairs = [(s.transient_bytes, r.transient_bytes) for s, r in zip(safe.ops, real.ops)
+                 if s.name == "aten.convolution_backward.default"]
+        assert max(b for b, _ in pairs) > 0 and max(b for b, _ in pairs) == max(b for _, b in pairs), pairs
+
+
+def test_safe_timing_benchmarks_ops_when_the_step_runs_other_ops(caplog):
+    """A step whose second run dispatches other ops than the fake one cannot lend its times op by op: each op is
+    timed alone instead, and the log says where the two differ."""
+
+    class Changing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            h = self.a(x)
+            if self.calls > 1:
+                h = h * 2  # one more op after the first call
+            return self.b(torch.relu(h))
+
+    model, x = Changing(), torch.randn(8, 16)
+    with caplog.at_level("WARNING", logger="libra"):
+        prof = libra.profile(model, lambda: model(x).sum().backward(), fake=True, timing="safe")
+    assert prof.provenance["op_seconds"] == "benchmark"
+    assert all(o.seconds > 0 for o in prof.ops)
+    assert "not the fake step's (op " in caplog.text and "aten.mul.Tensor" in caplog.text, caplog.text
+
+
+def test_step_timer_tells_replays_apart():
+    """Ops a checkpoint replays run in backward with gradients enabled; backward's own ops with them disabled."""
+    from torch.utils.checkpoint import checkpoint
+
+    from libra.profiler.timed import StepTimer
+
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    timer = StepTimer(torch.device("cpu"))
+    with timer:
+        checkpoint(lambda t: torch.tanh(lin(t)), x, use_reentrant=False).sum().backward()
+    replayed = [n for n, r in zip(timer.names, timer.replayed) if r]
+    forward = timer.names[: len(replayed)]
+    assert replayed == forward and "aten.tanh.default" in replayed, (timer.names, timer.replayed)
+    assert "aten.tanh_backward.default" in timer.names and len(timer.seconds) == len(timer.names)

@@ -20,8 +20,9 @@ def add_fake_options(p, what: str) -> None:
     p.add_argument("--fake", nargs="?", const=True, default=False, metavar="DEVICE",
                    help=f"{what} on fake tensors: no eager memory needed (a DEVICE such as cpu or cuda:0 for a model "
                         "built on meta)")
-    p.add_argument("--timing", choices=("benchmark", "estimate"), default="benchmark",
-                   help="with --fake: time each op alone (default), or estimate from its operations and bytes")
+    p.add_argument("--timing", choices=("benchmark", "estimate", "safe"), default="benchmark",
+                   help="with --fake: time each op alone (default), estimate from its operations and bytes, or time "
+                        "one real step with every module call recomputed (safe: it trains one step)")
 
 
 def load_factory(spec: str, command: str = "libra profile"):

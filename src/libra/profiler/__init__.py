@@ -66,6 +66,7 @@ class StepRecording:
         self._hidden_sid = -1
         self._tap = None  # the CPU allocator tap's attachment while recording (NOTE [Allocator truth])
         self.allocator = ""
+        self.calls: list = []  # a fake step's ops, kept by finish() for timing="safe" (NOTE [Safe timing])
 
     def start(self) -> None:
         self.overhead = dispatch_overhead_seconds()
@@ -218,17 +219,7 @@ class StepRecording:
         n = len(ops)
         if self._hidden_sid >= 0:
             recorder.storages[self._hidden_sid].free_op = n  # live through the step
-        delta = [0] * (n + 2)
-        for st in recorder.storages:
-            a = max(st.alloc_op, 0)
-            f = min(max(st.free_op, st.alloc_op, 0), n)
-            delta[a] += st.nbytes
-            delta[f + 1] -= st.nbytes
-        live = []
-        level = 0
-        for t in range(n + 1):
-            level += delta[t]
-            live.append(level)
+        live = _live_bytes(recorder.storages, n)
         allocator_peak = -1
         if self._tap is not None:
             att = self._tap
@@ -247,8 +238,7 @@ class StepRecording:
                 self.allocator = ""
         elif self.allocator == "cuda":
             allocator_peak = getattr(self, "_cuda_peak", -1)
-        peak = max(live[t] + (ops[t].transient_bytes if t < n else 0) for t in range(n + 1))
-        return peak, allocator_peak
+        return _peak(live, ops), allocator_peak
 
     def finish(self) -> Profile:
         """Removes every hook and returns the profile of the recorded step."""
@@ -267,6 +257,9 @@ class StepRecording:
                         "this step runs %d convolution ops, whose temporaries can take MiBs each: a plan made from "
                         "this profile can run over its budget by them. Fix: timing='benchmark' where each op fits "
                         "on the device alone.", convs)
+            elif self.fake.timing == "safe":  # NOTE [Safe timing]: the caller times a real step, then retime()
+                seconds, transient = [0.0] * len(ops), [0] * len(ops)
+                self.calls = recorder.calls  # to benchmark instead if that step's ops are not these
             else:  # NOTE [Fake profiles]: times and temporaries from each op run alone, for real
                 seconds, transient = benchmark_ops(recorder.calls, self.device)
             for op, s, b in zip(ops, seconds, transient):
@@ -314,3 +307,38 @@ class StepRecording:
             eager_seconds * 1e3,
         )
         return prof
+
+
+def _live_bytes(storages: list[StorageRecord], n: int) -> list[int]:
+    """Bytes of the storages live after each op ``0..n`` (the last entry: after the step)."""
+    delta = [0] * (n + 2)
+    for st in storages:
+        a = max(st.alloc_op, 0)
+        f = min(max(st.free_op, st.alloc_op, 0), n)
+        delta[a] += st.nbytes
+        delta[f + 1] -= st.nbytes
+    live = []
+    level = 0
+    for t in range(n + 1):
+        level += delta[t]
+        live.append(level)
+    return live
+
+
+def _peak(live: list[int], ops: list[OpRecord]) -> int:
+    """The step's peak as the simulator sees it: the live bytes after each op plus that op's temporaries."""
+    n = len(ops)
+    return max(live[t] + (ops[t].transient_bytes if t < n else 0) for t in range(n + 1))
+
+
+def retime(prof: Profile, seconds: list[float], transient: list[int] | None, source: str) -> None:
+    """Gives a profile's ops the times (and temporary bytes, where given) measured by ``source`` (NOTE [Safe
+    timing]), and the eager step's time and peak that follow from them."""
+    for op, s in zip(prof.ops, seconds):
+        op.seconds = s
+    if transient is not None:
+        for op, b in zip(prof.ops, transient):
+            op.transient_bytes = b
+    prof.eager_step_seconds = sum(seconds)
+    prof.eager_peak_bytes = _peak(_live_bytes(prof.storages, len(prof.ops)), prof.ops)
+    prof.provenance = {**prof.provenance, "op_seconds": source}
