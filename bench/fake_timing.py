@@ -3,8 +3,9 @@
     .venv/bin/python -m bench.fake_timing [--shares 0.75,0.5]
 
 For each test model (``libra.testing.models``: GPT, ResNet, U-Net, Mixer at the test suite's sizes), profiles one
-real step (after a warm-up) and the same step fake, with op times benchmarked op by op and estimated by the roofline
-(NOTE [Estimated op times] in profiler/fake.py). At each share of eager's activation memory the plan chosen from
+real step (after a warm-up) and the same step fake, with op times benchmarked op by op, estimated by the roofline
+(NOTE [Estimated op times] in profiler/fake.py) and taken from one real step with every module call recomputed
+(NOTE [Safe timing] in profiler/timed.py). At each share of eager's activation memory the plan chosen from
 each profile is judged by the real profile's simulator: its added seconds against those of the plan chosen from the
 real profile itself (1.00: as good; the real profile's op times are the judge, so the real plan is optimal for the
 planner only). Planner-only once profiled: nothing is timed against anything else. Writes
@@ -73,7 +74,9 @@ def main(argv=None) -> int:
         real = libra.profile(model, step)
         model.zero_grad(set_to_none=True)
         profiles = {"benchmark": libra.profile(model, step, fake=True),
-                    "estimate": libra.profile(model, step, fake=True, timing="estimate")}
+                    "estimate": libra.profile(model, step, fake=True, timing="estimate"),
+                    "safe": libra.profile(model, step, fake=True, timing="safe")}
+        model.zero_grad(set_to_none=True)  # the safe timing's step was real
         planning = Planning(real)
         others = {k: Planning(p) for k, p in profiles.items()}
         for share in shares:

@@ -40,7 +40,8 @@ def explain_plan(plan: Plan) -> str:
         p = plan.provenance
         memory = {"fake": "fake tensors (no eager step)", "step": "one real step"}.get(p.get("memory"), "?")
         times = {"benchmark": "each op timed alone (an estimate)", "step": "timed in the step",
-                 "estimate": "estimated from each op's operations and bytes (no temporaries measured)"}.get(
+                 "estimate": "estimated from each op's operations and bytes (no temporaries measured)",
+                 "safe": "timed in a real step with every module call recomputed"}.get(
             p.get("op_seconds"), "?")
         lines.append(f"  profile         memory from {memory}; op times {times}")
         link = p.get("host_bandwidth", "none")

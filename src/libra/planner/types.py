@@ -90,7 +90,7 @@ class Plan:
         granularity: the region granularity of the plan's regions (NOTE [Region granularity] in
             planner/regions.py); empty: not recorded. A step ``libra.apply`` plans anew is planned with the same.
         provenance: where the profile's figures came from (``Profile.provenance``): ``"memory"``: ``"step"`` or
-            ``"fake"``; ``"op_seconds"``: ``"step"``, ``"benchmark"`` or ``"estimate"``; ``"host_bandwidth"``: ``"measured"``,
+            ``"fake"``; ``"op_seconds"``: ``"step"``, ``"benchmark"``, ``"estimate"`` or ``"safe"``; ``"host_bandwidth"``: ``"measured"``,
             ``"given"`` or ``"none"``. Shown by :meth:`explain`.
     """
 

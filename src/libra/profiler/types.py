@@ -89,7 +89,7 @@ class Profile:
         eager_peak_bytes: peak of all live tensor bytes on the device during the step, static bytes included.
         static_bytes: bytes live on the device when the step began (parameters, buffers, gradients, optimizer
             state, inputs).
-        eager_step_seconds: the step's wall time with the recorder's own overhead taken out.
+        eager_step_seconds: the sum of the ops' times (NOTE [Eager step time] in profiler/__init__.py).
         allocator: where the ops' ``transient_bytes`` came from: ``"cuda"`` (the caching allocator's statistics),
             ``"cpu-events"`` (torch.profiler's memory events), ``"benchmark"`` (each op of a fake profile run alone
             on real tensors), ``""`` (not measured: every op's are 0).
@@ -122,7 +122,8 @@ class Profile:
     rng_state_bytes: int = 0
     # where the figures come from: "memory" ("step": a real step; "fake": fake tensors, NOTE [Fake profiles]),
     # "op_seconds" ("step": timed in the step; "benchmark": each op signature timed alone on real tensors;
-    # "estimate": from its operations and bytes, NOTE [Estimated op times])
+    # "estimate": from its operations and bytes, NOTE [Estimated op times]; "safe": from a real step with every
+    # module call recomputed, NOTE [Safe timing])
     provenance: dict = field(default_factory=dict)
     # [storage id, name] of the model's static tensors: "blocks.0.fc1.weight", "gradient of blocks.0.fc1.weight",
     # "buffer bn.running_mean" (what error messages name at a peak)
