@@ -308,6 +308,26 @@ class KwargsModel(Stack):
         return self.head(h)
 
 
+class UnreadArgumentModel(Stack):
+    """Each block is handed a tensor it never reads (as Hugging Face decoder layers are handed ``position_ids`` and
+    ``cache_position``): eager frees it when the forward returns, a checkpointed block holds it until its backward."""
+
+    def __init__(self) -> None:
+        super().__init__(UnreadArgumentBlock, depth=4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        positions = torch.arange(64 * HIDDEN, device=x.device)  # 64 rows' worth of int64s
+        for block in self.blocks:
+            h = block(h, positions=positions)
+        return self.head(h)
+
+
+class UnreadArgumentBlock(KwargsBlock):
+    def forward(self, x, *, positions=None):
+        return super().forward(x)
+
+
 class NonTensorOutputBlock(nn.Module):
     """Returns (tensor, int): the int counts active units (a data-dependent ``.item()``)."""
 

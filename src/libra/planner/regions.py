@@ -269,7 +269,9 @@ def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], di
             t_r=min((p.first_unpack for p in unpacks), default=-1),
             l_r=max([p.last_unpack for p in unpacks] + own_frees, default=-1),
             stop=min(max(profile.packs[pi].pack_op for pi in region_packs), b),
-            external_inputs=[s for s in external if not storages[s].static],
+            # what it reads from before it, and what it was handed without reading (checkpoint holds every argument)
+            external_inputs=[s for s in dict.fromkeys(external + c.arg_storages)
+                             if s not in produced_set and not storages[s].static],
             packs=region_packs,
         )
         forced: set[int] = set()

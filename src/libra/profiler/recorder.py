@@ -181,6 +181,17 @@ class Recorder(TorchDispatchMode):
             sid = self._register(t, max(len(self.ops) - 1, 0), -1, False)
         return sid
 
+    def known_storages(self, tensors) -> list[int]:
+        """Storage ids of those of ``tensors`` whose storage an op already made or read (none is registered)."""
+        out: list[int] = []
+        for t in tensors:
+            t = self._as_fake(t)
+            key = storage_key(t)
+            sid = self._sid.get(key) if key is not None and t.device == self.device else None
+            if sid is not None and sid not in out:
+                out.append(sid)
+        return out
+
     def close(self) -> None:
         """Stops recording; storages still alive are marked as outliving the step."""
         self.closed = True
@@ -464,6 +475,7 @@ class ModuleProbes:
             depth=len(rec.module_stack) - 1,
             input_shapes=[list(a.shape) for a in args if isinstance(a, torch.Tensor)],
             kv_cache_args=kv_cache_args(args, kwargs or {}),
+            arg_storages=rec.known_storages(tensors_in(list(args)) + tensors_in(list((kwargs or {}).values()))),
         )
         rec.call_stack.append(len(self.calls))
         self.calls.append(record)

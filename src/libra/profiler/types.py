@@ -17,6 +17,7 @@ __all__ = ["OpRecord", "StorageRecord", "PackRecord", "ModuleCall", "Profile", "
 
 PROFILE_SCHEMA_VERSION = 4  # 2: per-op transient bytes and the allocator's own peak (NOTE [Allocator truth]);
 # 3: the host link's bandwidth, measured by the profiler; 4: when Python let go of each storage (StorageRecord.held_op)
+# and what each module call was handed (ModuleCall.arg_storages)
 
 
 @dataclass
@@ -79,6 +80,9 @@ class ModuleCall:
     parent: int = -1  # index of the enclosing module call, -1 for a root call
     input_shapes: list[list[int]] = field(default_factory=list)
     kv_cache_args: list[str] = field(default_factory=list)  # NOTE [Key/value caches are not replayable]
+    # storage ids of the tensors it was handed (arguments and keyword arguments) that ops had made or read before:
+    # a checkpointed call holds them all until its backward, also those none of its ops reads
+    arg_storages: list[int] = field(default_factory=list)
 
 
 @dataclass
