@@ -55,24 +55,22 @@ def test_default_solver_within_1_percent_of_milp(case, share, bandwidth):
         assert state is not None and choice is not None
         rg, rm = sel.sim.run(state), sel.sim.run(sel.problem.state(choice))
         assert rg.peak_bytes <= target and rm.peak_bytes <= target
-        if rg.added_seconds > 1.01 * rm.added_seconds + 1e-12:
+        known = _KNOWN_MISSES.get((case.name, bandwidth))
+        if rg.added_seconds > (1.01 if known is None else known[0]) * rm.added_seconds + 1e-12:
             misses.append((sel.granularity, rg.added_seconds, rm.added_seconds))
         solved += 1
     assert solved
-    known = _KNOWN_MISSES.get((case.name, bandwidth))
-    if known is None:
-        assert not misses, misses
-    elif misses:  # a strict expected failure: it must still miss, or the entry goes
-        pytest.xfail(f"{known}: {misses}")
-    else:
-        pytest.fail(f"the known miss {(case.name, bandwidth)} is fixed: remove it from _KNOWN_MISSES")
+    assert not misses, misses
 
 
-# (case, host bandwidth) -> why the default is more than 1% above the exact reference there
+# (case, host bandwidth) -> (how far above the exact reference the default may be there, and why): a known miss
+# stays bounded. Not a strict expected failure: whether the default misses by more than 1% there depends on how ties
+# are broken, which follows the storages' numbering (the static ones are numbered in the order gc lists them), so
+# the same test passed or missed depending on the tests run before it.
 _KNOWN_MISSES = {
-    ("resnet", 2e9): "with offload the option family keeps more hooked bottlenecks than fit the host link beside "
-                     "the step, 7-18% above the exact plan at 75% / 50% / the minimum (measured 2026-12-06); "
-                     "trim switches one unit at a time and the cheaper mix needs two",
+    ("resnet", 2e9): (1.25, "with offload the option family keeps more hooked bottlenecks than fit the host link "
+                            "beside the step, up to 20% above the exact plan at 75% / 50% / the minimum (measured "
+                            "2026-12-06); trim switches one unit at a time and the cheaper mix needs two"),
 }
 
 
