@@ -209,6 +209,15 @@ def test_fixed_stack_recomputes_or_offloads(blocks, bandwidth):
 HELD_BY_THE_BLOCK = (Node("linear", (0,)), Node("linear", (0,)), Node("linear", (2,)))
 
 
+def test_a_profiled_module_that_saves_nothing_runs_as_planned():
+    """The second block's third node (a linear over channels of the block's input) makes nothing the plan decides
+    on, so no decision names it: the runtime took it for a layer the profiled step skipped (layer drop) and ran it
+    under plain checkpoint, one RNG state (5,056 B) over a budget planned to the byte. Found by the property (150
+    examples); the plan now names the modules the profiled step never called (``Plan.unprofiled``)."""
+    check(((Node("linear", (0,)), Node("linear", (1,)), Node("linear", (2,))),
+           (Node("chan_linear", (0,)), Node("chan_linear", (1,)), Node("chan_linear", (0,)))), 0.0, None, 0)
+
+
 def test_a_block_that_holds_its_nodes_outputs_is_predicted():
     """Two blocks of three linears, the second recomputed whole, whose forward keeps every node's output in a list
     until it returns: measured with the allocator, the plan's peak is its prediction (it was 18,936 B above it while

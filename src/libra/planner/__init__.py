@@ -435,6 +435,7 @@ class Planning:
             host_bandwidth=self.host_bandwidth or 0.0,
             granularity=sel.granularity,
             provenance=self.provenance(),
+            unprofiled=list(self.unprofiled),
         )
 
     def provenance(self) -> dict[str, str]:

@@ -34,10 +34,11 @@ _PLAN_FIELDS = {
     "host_bandwidth": float,
     "provenance": dict,
     "granularity": str,
+    "unprofiled": list,
 }
 # added after schema 1 was first written; absent means "not recorded"
 _OPTIONAL = {"input_signature", "skip", "plain", "hooked", "stay", "offload_inputs", "refused", "plain_ok", "allowed",
-             "host_bandwidth", "provenance", "prefetch_after", "granularity"}
+             "host_bandwidth", "provenance", "prefetch_after", "granularity", "unprofiled"}
 _REGION_FIELDS = {"module": str, "call": int, "ops": list, "save": list, "offload": list, "protect": dict,
                   "input_shapes": list, "skip": list, "plain": bool, "hooked": bool, "stay": list,
                   "offload_inputs": bool, "plain_ok": bool, "prefetch_after": list}
@@ -86,6 +87,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "host_bandwidth": plan.host_bandwidth,
         "provenance": dict(plan.provenance),
         "granularity": plan.granularity,
+        **({} if plan.unprofiled is None else {"unprofiled": list(plan.unprofiled)}),
     }
 
 
@@ -204,12 +206,17 @@ def plan_from_dict(data: dict, path="<dict>") -> Plan:
         raise _fail(path, f"provenance should map strings to strings, found {provenance!r}")
     if data.get("granularity", "") not in ("", *GRANULARITIES):
         raise _fail(path, f"granularity should be one of {', '.join(GRANULARITIES)}, found {data['granularity']!r}")
-    skip = ("decisions", "regions", "parameters", "input_signature", "refused", "allowed", "provenance")
+    unprofiled = data.get("unprofiled")
+    if unprofiled is not None and not all(isinstance(x, str) for x in unprofiled):
+        raise _fail(path, f"unprofiled should be a list of module names, found {unprofiled!r}")
+    skip = ("decisions", "regions", "parameters", "input_signature", "refused", "allowed", "provenance",
+            "unprofiled")
     fields = {k: data[k] for k in _PLAN_FIELDS if k not in skip and k in data}
     fields["input_signature"] = list(signature)
     fields["refused"] = [list(x) for x in refused]
     fields["allowed"] = list(allowed)
     fields["provenance"] = dict(provenance)
+    fields["unprofiled"] = None if unprofiled is None else list(unprofiled)
     return Plan(decisions=decisions, regions=regions, parameters=parameters, **fields)
 
 

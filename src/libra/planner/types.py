@@ -89,6 +89,9 @@ class Plan:
             modelled).
         granularity: the region granularity of the plan's regions (NOTE [Region granularity] in
             planner/regions.py); empty: not recorded. A step ``libra.apply`` plans anew is planned with the same.
+        unprofiled: the modules the profiled step never called whose twin in the same container it did call (layer
+            drop): ``libra.apply`` recomputes them whole when they run, and the plan reserves their memory; None:
+            not recorded (an older plan file: every module no decision names counts).
         provenance: where the profile's figures came from (``Profile.provenance``): ``"memory"``: ``"step"`` or
             ``"fake"``; ``"op_seconds"``: ``"step"``, ``"benchmark"``, ``"estimate"`` or ``"safe"``; ``"host_bandwidth"``: ``"measured"``,
             ``"given"`` or ``"none"``. Shown by :meth:`explain`.
@@ -115,6 +118,9 @@ class Plan:
     host_bandwidth: float = 0.0
     provenance: dict = field(default_factory=dict)
     granularity: str = ""
+    # modules the profiled step never called that have a called twin beside them (layer drop: NOTE [Unprofiled
+    # siblings] in runtime/apply.py); None: not recorded (an older plan file)
+    unprofiled: list[str] | None = None
     schema_version: int = PLAN_SCHEMA_VERSION
 
     @property

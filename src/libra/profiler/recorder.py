@@ -494,12 +494,15 @@ def static_tensors(model: torch.nn.Module, device: torch.device, exclude=()) -> 
     of ``exclude`` (a fake step's real parameters, put aside while it runs)."""
     gc.collect()  # garbage in reference cycles would otherwise count as live, then vanish mid-step
     skip = {storage_key(t) for t in plain_tensors(exclude)}
-    found = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+    # the model's own first, in its order, so that they are numbered alike in every profile of it: gc lists
+    # objects in an order that follows the process's history
+    found: list = []
     for p in model.parameters():
         found.append(p)
         if p.grad is not None:
             found.append(p.grad)
     found.extend(model.buffers())
+    found.extend(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
     # NOTE [Wrapper subclasses have no storage] in _ops.py: a DTensor's memory is its local tensor's
     found = plain_tensors(found)
     return [t for t in found if t.device == device and storage_key(t) is not None and storage_key(t) not in skip]

@@ -356,8 +356,10 @@ class _Session:
         layer the profiled step skipped has no plan and kept all its activations (a Whisper with layer drop 0.3
         ran over eager's own peak at a 50% budget). Such a module, of the same class as a sibling in the same
         container that the plan recomputes and that plain checkpoint recomputes exactly (``plain_ok``), runs under
-        plain checkpoint, recomputed whole. A module counts as unprofiled when no decision of the plan names it or
-        anything inside it. Returns fqn -> the planned sibling's fqn."""
+        plain checkpoint, recomputed whole. Which modules the profiled step never called the planner read from the
+        profile (``Plan.unprofiled``); a plan file from before that field counts every module no decision names (it
+        also counted profiled modules that save nothing, whose plain checkpoint then ran over the budget by one
+        RNG state and their inputs). Returns fqn -> the planned sibling's fqn."""
         modules = dict(self.model.named_modules())
         planned = {r.module for r in plan.regions}
         seen = {key.split(":", 1)[0] for key in plan.decisions}
@@ -373,6 +375,8 @@ class _Session:
             for name, child in parent.named_children():
                 fqn = f"{parent_fqn}.{name}"
                 if type(child) is not kind or fqn in planned or fqn in out:
+                    continue
+                if plan.unprofiled is not None and fqn not in plan.unprofiled:
                     continue
                 if any(s == fqn or s.startswith(fqn + ".") for s in seen):
                     continue
