@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-from pathlib import Path
 
 import torch
 
 import libra
-from bench.machine import machine_info
+from bench.machine import write_result
 from libra.planner import Planning
 from libra.testing import models
 
@@ -97,9 +95,7 @@ def main(argv=None) -> int:
                    if row[f"{k}_over_real_target_bytes"] > 0 else "") for k in others)
             print(f"{name:>7} {share:.0%}: added time of the plan chosen from the fake profile, over the real "
                   f"profile's own choice: {cells}", flush=True)
-    Path(args.out).write_text(json.dumps({"machine": machine_info(), "date": datetime.datetime.now().isoformat(
-        timespec="seconds"), "rows": rows}, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, {"rows": rows})
     return 0
 
 

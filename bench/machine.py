@@ -10,7 +10,7 @@ import subprocess
 import numpy
 import torch
 
-__all__ = ["machine_info"]
+__all__ = ["machine_info", "write_result"]
 
 
 def _cpu_model() -> str:
@@ -54,3 +54,13 @@ def machine_info() -> dict:
         "load_average_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "libra": libra_version(),
     }
+
+
+def write_result(path, fields: dict) -> None:
+    """Writes a bench's result as JSON: this machine, the time, then ``fields``; and says where."""
+    import json
+    from pathlib import Path
+
+    Path(path).write_text(json.dumps({"machine": machine_info(), "date": datetime.datetime.now().isoformat(
+        timespec="seconds"), **fields}, indent=1) + "\n")
+    print(f"wrote {path}")

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import resource
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import libra
-from bench.machine import machine_info
+from bench.machine import write_result
 from libra.testing.models import GPT
 
 
@@ -68,9 +66,7 @@ def main(argv=None) -> int:
           f"planned under {plan.budget_bytes / 2**30:.2f} GiB in {plan_s:.1f} s (predicted peak "
           f"{plan.predicted_peak_bytes / 2**30:.2f} GiB, x{row['predicted_ratio']:.3f} eager's time by the estimate), "
           f"process peak resident memory {rss / 2**30:.2f} GiB")
-    Path(args.out).write_text(json.dumps({"machine": machine_info(), "date": datetime.datetime.now().isoformat(
-        timespec="seconds"), **row}, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, row)
     return 0
 
 

@@ -21,7 +21,6 @@ import json
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
@@ -110,7 +109,7 @@ def main(argv=None) -> int:
     if args.worker:
         print(json.dumps(worker(*args.worker, shares, args.steps)))
         return 0
-    from bench.machine import machine_info
+    from bench.machine import write_result
 
     rows = []
     for size in args.sizes.split(","):
@@ -138,9 +137,7 @@ def main(argv=None) -> int:
     errors = {k: [abs(r["error"]) for r in rows if r["kind"] == k] for k in KINDS}
     print("\nmedian |error| per profile kind: " + ", ".join(
         f"{k} {statistics.median(v):.0%}" for k, v in errors.items() if v))
-    Path(args.out).write_text(json.dumps({"machine": machine_info(), "date": datetime.datetime.now().isoformat(
-        timespec="seconds"), "rows": rows}, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, {"rows": rows})
     return 0
 
 
