@@ -196,7 +196,8 @@ def max_batch(
         progress: called with one line per profiled size (the CLI prints them); the library itself never prints.
         fake: profile every size on fake tensors (no eager memory needed): ``True`` on the model's device, or a
             device such as ``"cpu"`` or ``"cuda:0"`` for a ``make_step`` that builds its model on ``meta``.
-        timing: with ``fake``, ``"benchmark"`` or ``"estimate"`` (see :func:`libra.profile`).
+        timing: with ``fake``, ``"benchmark"`` or ``"estimate"`` (see :func:`libra.profile`); not ``"safe"``,
+            which would run a real step at every size tried, beyond those that fit.
 
     Returns:
         A :class:`BatchFit`.
@@ -218,6 +219,11 @@ def max_batch(
     for name, value, least in (("start", start, 1), ("max_profiles", max_profiles, 2), ("warmup", warmup, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise LibraError(f"libra.max_batch: {name} should be an int of at least {least}, got {value!r}.")
+    if timing == "safe":
+        raise LibraError("libra.max_batch: timing='safe' runs one real step at each batch size profiled, and the "
+                         "search tries sizes beyond those that fit (on a GPU, an out-of-memory error). Fix: "
+                         "timing='benchmark' (each op timed alone) or 'estimate'; profile the size found with "
+                         "timing='safe' afterwards if its op times matter.")
     libra_search, eager_search = _Bracket(budget_bytes), _Bracket(budget_bytes)
     profiled: list[tuple[int, int, int]] = []
     best: tuple[int, Plan, Profile] | None = None

@@ -177,3 +177,5 @@ def test_bad_arguments():
         libra.max_batch(make, 0.5)
     with pytest.raises(libra.LibraError, match=r"make_step\(1\) should return \(model, step\)"):
         libra.max_batch(lambda b: torch.nn.Linear(2, 2), BUDGET)
+    with pytest.raises(libra.LibraError, match="timing='safe' runs one real step at each batch size.*Fix"):
+        libra.max_batch(make, BUDGET, fake=True, timing="safe")
