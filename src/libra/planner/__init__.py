@@ -20,14 +20,15 @@ log = logging.getLogger("libra")
 
 _SOLVERS = ("greedy", "milp")
 
-# NOTE [Safety margin]: the simulator knows when autograd lets go of a storage, and assumes a forward's local
-# variables hold what they made until that module call returns, but it cannot see every Python reference. Plans keep
-# 1% of eager's activation bytes under the budget where that costs nothing: a budget at least that far above the
-# lowest peak the planner reaches is planned against the budget less the margin; a budget closer to it is planned
-# against the lowest peak itself (the target never falls as the budget rises, so larger budgets are never slower).
-# The minimum the planner names is that lowest peak: on the test and benchmark models the meter measures it to the
-# byte or below (the tests run every model at its named minimum), and it is what per-block checkpointing reaches
-# where the planner's plan is that checkpointing.
+# NOTE [Safety margin]: the simulator knows when autograd lets go of a storage and when Python let go of what the
+# forward made (NOTE [Python's hold] in profiler/recorder.py), but not every reference a replay's Python keeps.
+# Plans keep 1% of eager's activation bytes under the budget where that costs nothing: a budget at least that far
+# above the lowest peak the planner reaches is planned against the budget less the margin; a budget closer to it is
+# planned against the lowest peak itself (the target never falls as the budget rises, so larger budgets are never
+# slower). The minimum the planner names is that lowest peak, the least of every plan the solver can return
+# (``Planning._lowest_of``): on the test and benchmark models the meter measures it to the byte or below (the tests
+# run every model at its named minimum), and it is what per-block checkpointing reaches where the planner's plan is
+# that checkpointing.
 SAFETY_MARGIN = 0.01
 
 # NOTE [Layers the profiled step skipped]: with layer drop (Whisper's, stochastic depth) the profiled step skips some
