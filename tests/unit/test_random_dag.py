@@ -157,7 +157,8 @@ def check(blocks, x: float, bandwidth: float | None, times_seed: int) -> dict:
 # ---- the property -------------------------------------------------------------------------------------------------
 # more examples to hunt for budget breaks: LIBRA_DAG_EXAMPLES=300 HYPOTHESIS_PROFILE=explore pytest -k matches_eager
 # (150 found the layer-drop-sibling miss below)
-@settings(max_examples=int(os.environ.get("LIBRA_DAG_EXAMPLES", "30")), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+@settings(max_examples=int(os.environ.get("LIBRA_DAG_EXAMPLES", "30")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
           phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink])
 @given(
     blocks=stacks(),
