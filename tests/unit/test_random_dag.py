@@ -222,6 +222,29 @@ def test_a_profiled_module_that_saves_nothing_runs_as_planned():
            (Node("chan_linear", (0,)), Node("chan_linear", (1,)), Node("chan_linear", (0,)))), 0.0, None, 0)
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "open (found by a 250-example explored sweep at the end of 2026-12-06): the plan at the named minimum recomputes "
+    "the third block's middle linear whole and measures 5,376 B over its prediction; at backward op 56 the meter "
+    "sees 32 KiB more than the simulator, which frees a storage there that is still held. The minimum before this "
+    "session's changes was eager's peak (nothing planned)"))
+def test_a_plain_linear_between_in_place_scalings_is_predicted():
+    _check_in_a_frame_of_its_own(((Node("add", (0, 0)), Node("add", (1, 1)), Node("linear", (2,)), Node("scale_", (3,)), Node("add", (4, 4))),
+           (Node("add", (0, 0)), Node("add", (1, 1)), Node("linear", (2,)), Node("scale_", (3,)), Node("add", (4, 4))),
+           (Node("add", (0, 0)), Node("linear", (1,)), Node("linear", (2,)), Node("linear", (3,)),
+            Node("scale_", (0,)))), 0.0, None, 0)
+
+
+def _check_in_a_frame_of_its_own(*args) -> None:
+    """``check``, whose failure is raised again without its traceback: an expected failure's traceback keeps the
+    failing frames, and with them the models and tensors later tests must not find live."""
+    try:
+        check(*args)
+        return
+    except AssertionError as e:
+        message = str(e)
+    raise AssertionError(message)
+
+
 def test_a_block_that_holds_its_nodes_outputs_is_predicted():
     """Two blocks of three linears, the second recomputed whole, whose forward keeps every node's output in a list
     until it returns: measured with the allocator, the plan's peak is its prediction (it was 18,936 B above it while
