@@ -226,9 +226,17 @@ class Simulator:
         self._recent: dict[tuple, tuple[np.ndarray, float]] = {}
         self._unit_times: dict[tuple[int, frozenset[int]], tuple] = {}
         self._records: dict[tuple[int, frozenset[int]], _UnitRecord] = {}
-        # storage -> (last unpack, saving instance or None) of each save of it
-        self._saves: list[list[tuple[int, tuple[int, int] | None]]] = [
-            [(self.pack_end[pi], self.pack_owner.get(pi)) for pi in self.packs_of.get(s, ())] for s in range(len(st))]
+        # storage -> (end, saving instance or None) of each save of it. A save holds its storage until autograd
+        # releases the node that unpacked it, after that node's last op (NOTE [Release after unpack] in
+        # regions.py): for the save unpacked last, that is the storage's eager free; for the others their last
+        # unpack stands in. A save made outside the plan's regions still holds it so (a plain linear's output
+        # saved by the next linear outlived its last unpack by that node's bias reduction, 32 KiB).
+        self._saves: list[list[tuple[int, tuple[int, int] | None]]] = []
+        for s in range(len(st)):
+            pis = self.packs_of.get(s, ())
+            last = max((self.pack_end[pi] for pi in pis), default=-1)
+            self._saves.append([(max(self.pack_end[pi], self.free[s]) if self.pack_end[pi] == last
+                                 else self.pack_end[pi], self.pack_owner.get(pi)) for pi in pis])
         self._exact_ops: dict[int, list[int]] = {}
         self._own_inputs: dict[tuple[int, int], dict[int, list[int]]] = {}
         # plain-Python copies for the per-storage loops (numpy scalar indexing is slow)
