@@ -68,7 +68,6 @@ class Recorder(TorchDispatchMode):
         self.call_stack: list[int] = []  # indices into ModuleProbes.calls of the active grad-enabled calls
         self.live_bytes = 0
         self.peak_bytes = 0
-        self.bookkeeping_ns = 0
         self.closed = False
         self.mark_ops = False  # bracket each op with a MARKER range (set while the CPU allocator tap is attached)
         self.fake = False  # the step runs on fake tensors (NOTE [Fake profiles] in profiler/fake.py)
@@ -222,7 +221,6 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.closed or func in UNCOUNTED:
             return func(*args, **kwargs)
-        t_enter = time.perf_counter_ns()
         info = op_info(func)
         index = len(self.ops)
         inputs: list[int] = []
@@ -303,7 +301,6 @@ class Recorder(TorchDispatchMode):
                 transient_bytes=max(int(transient), 0),
             )
         )
-        self.bookkeeping_ns += time.perf_counter_ns() - t_enter - (t1 - t0)
         return out
 
     def _run_fake(self, func, info, args, kwargs):
@@ -324,13 +321,11 @@ class Recorder(TorchDispatchMode):
     def pack(self, t: torch.Tensor):
         if self.closed:
             return (-1, t)
-        t_enter = time.perf_counter_ns()
         sid = self.lookup(t)
         if sid < 0:
             return (-1, t)
         call = self.call_stack[-1] if self.call_stack else -1
         self.packs.append(PackRecord(storage=sid, pack_op=len(self.ops), module_call=call))
-        self.bookkeeping_ns += time.perf_counter_ns() - t_enter
         return (len(self.packs) - 1, t.detach())  # an alias: never the object Python holds (NOTE [Python's hold])
 
     def unpack(self, packed):
