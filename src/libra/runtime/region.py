@@ -30,6 +30,13 @@ goes on as before, and only ops that nothing needed reads are left out. Autograd
 them as it always does in a replay (autograd sits above this mode), so checkpoint matches saved tensors in the same
 order. A skipped random op leaves the generator as the forward left it. Ops whose results Python can read
 (``.item()``, non-tensor returns) are never skipped (``planner/replay.py``).
+
+NOTE [Executor bookkeeping]
+Every op of a checkpointed call passes through these modes, so what they do per op is the executor's cost (NOTE
+[Region overhead] in runtime/calibrate.py), paid again for every op of every step. Work that only some calls need is
+done only by those: the storage index copy-on-write reads is built at the forward's first in-place op (from the cache
+as it is then, and kept up to date after it), the replay notes the storages it made only when the forward wrote in
+place, and a single-tensor output, what most ops return, is kept and checked without walking a tree.
 """
 
 from __future__ import annotations
@@ -115,6 +122,16 @@ def _map_only(cls, fn, out):
 
 def _detach(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
+
+
+def _versions(out):
+    """The version counters of an op's (cached) outputs: an int for a single tensor, else a tuple."""
+    if isinstance(out, torch.Tensor):
+        return out._version
+    return tuple(t._version for t in _leaves(out))
+
+
+_NO_NAMES: frozenset = frozenset()
 
 
 _INTERNAL = threading.local()
@@ -370,8 +387,12 @@ class RegionRun:
         self.offload_ctx = offload
         self.funcs: list[object] = []  # ops the forward dispatched, in order
         self.cache: dict[int, object] = {}  # local op index -> outputs (detached)
-        self.versions: dict[int, list[int]] = {}  # local op index -> version counters of the cached outputs
+        self.versions: dict[int, object] = {}  # local op index -> version counters of the cached outputs (_versions)
+        # NOTE [Executor bookkeeping]: storage -> cached op indices, for copy-on-write; built at the forward's first
+        # in-place op and kept up to date from there (a call that writes nothing in place never computes a key)
         self.cached_by_storage: dict[int, list[int]] = {}
+        self.indexing = False
+        self.writes = False  # the forward ran an op that writes in place: the replay notes which storages it made
         self.written: set[int] = set()  # cached ops whose outputs the forward then wrote in place (copy-on-write)
         self.rng_after: dict[int, list] = {}
         self.gen_before: dict[int, tuple] = {}  # NOTE [Own generators]: op -> (its generator, state before it)
@@ -421,22 +442,21 @@ class RegionRun:
             self.cache[index] = _map_only(torch.Tensor, lambda t: HostCopy(t, ctx.pool, ctx.stream), out)
             return
 
-        def detach(t: torch.Tensor) -> torch.Tensor:
+        self.cache[index] = out.detach() if isinstance(out, torch.Tensor) else _map_only(torch.Tensor, _detach, out)
+        self.versions[index] = _versions(self.cache[index])
+        if self.indexing:
+            self._index(index)
+
+    def _index(self, index: int) -> None:
+        for t in _leaves(self.cache[index]):
             key = storage_key(t)
             if key is not None:
                 self.cached_by_storage.setdefault(key, []).append(index)
-            return t.detach()
-
-        self.cache[index] = _map_only(torch.Tensor, detach, out)
-        self._note_versions(index)
-
-    def _note_versions(self, index: int) -> None:
-        self.versions[index] = [t._version for t in _leaves(self.cache[index])]
 
     def check_versions(self, index: int) -> None:
         """A cached alias changed in place outside the region (where copy-on-write cannot see it) would replay
         the changed value: refuse loudly rather than return a wrong gradient."""
-        now = [t._version for t in _leaves(self.cache[index])]
+        now = _versions(self.cache[index])
         if now != self.versions.get(index, now):
             raise LibraError(
                 f"libra.apply: an output of op {index} ({self.region.ops[index] if index < len(self.region.ops) else '?'}) "
@@ -446,6 +466,11 @@ class RegionRun:
             )
 
     def copy_on_write(self, func, args, kwargs) -> None:
+        if not self.indexing:  # NOTE [Executor bookkeeping]
+            self.indexing = True
+            for index in self.cache:
+                if index not in self.offload:  # a host copy is not written by a write to its source
+                    self._index(index)
         info = op_info(func)
         for name, value in arg_values(func, args, kwargs):
             if name not in info.write_args:
@@ -457,7 +482,7 @@ class RegionRun:
                     self.cache[index] = _map_only(
                         torch.Tensor, lambda c: c.clone() if storage_key(c) == key else c, self.cache[index]
                     )
-                    self._note_versions(index)
+                    self.versions[index] = _versions(self.cache[index])
 
     def buffer_args(self, func, args, kwargs) -> set[str]:
         """The arguments of an op that are module buffers (NOTE [Leaving the profiled ops])."""
@@ -484,30 +509,39 @@ def debug_enabled() -> bool:
 
 
 class _RegionMode(TorchDispatchMode):
-    """One of the pair of modes of a region call; ops Libra does not count pass straight through."""
+    """One of the pair of modes of a region call; ops Libra does not count pass straight through (each mode's
+    ``__torch_dispatch__`` checks that first, in its own body: a call more per op is measurable, NOTE [Executor
+    bookkeeping])."""
 
     def __init__(self, run: RegionRun) -> None:
         super().__init__()
         self.r = run
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """NOTE [Region modes and Dynamo]: torch (2.13 here) wraps a dispatch mode's ``__torch_dispatch__`` in
+        ``torch._disable_dynamo`` unless this returns False. The wrapper is Python that runs around every op the mode
+        sees (each region op, and the ``detach`` checkpoint's replay dispatches for each saved tensor): measured
+        1.5 us per dispatch on a 2-core CPU, about a seventh of what the executor adds to a step
+        (``bench/executor_cost.py``). It only matters while a ``torch.compile`` frame is being evaluated around the
+        region, which Libra does not support (eager only); without it a region's modes run as every mode did before
+        torch added the wrapper."""
+        return False
+
+
+class _ForwardMode(_RegionMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _uncounted(func):
             return func(*args, **kwargs)
-        return self.dispatch(func, args, kwargs)
-
-    def dispatch(self, func, args, kwargs):
-        raise NotImplementedError
-
-
-class _ForwardMode(_RegionMode):
-    def dispatch(self, func, args, kwargs):
         r = self.r
         index = len(r.funcs)
         r.funcs.append(func)
         info = op_info(func)
-        if r.cached_by_storage and info.write_args:
-            r.copy_on_write(func, args, kwargs)
+        if info.write_args:
+            r.writes = True
+            if r.cache:
+                r.copy_on_write(func, args, kwargs)
         own = _own_generator(kwargs) if info.random else None
         if own is not None:
             r.gen_before[index] = (own, own.get_state())
@@ -530,7 +564,10 @@ class _ForwardMode(_RegionMode):
 
 
 class _ReplayMode(_RegionMode):
-    def dispatch(self, func, args, kwargs):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _uncounted(func):
+            return func(*args, **kwargs)
         r = self.r
         index = r.replay_index
         r.replay_index += 1
@@ -547,7 +584,9 @@ class _ReplayMode(_RegionMode):
             r.check_versions(index)
             if index in r.rng_after:
                 _restore_generators(r.rng_after[index])
-            out = _map_only(torch.Tensor, _detach, _on_device(r, cached) if r.offload else cached)
+            if r.offload:
+                cached = _on_device(r, cached)
+            out = cached.detach() if isinstance(cached, torch.Tensor) else _map_only(torch.Tensor, _detach, cached)
             if index in r.written:  # the replay writes it again: never into the cache (a later replay reads it)
                 out = _map_only(torch.Tensor, torch.Tensor.clone, out)
         elif skipped:  # NOTE [Dead ops in a replay]
@@ -556,11 +595,13 @@ class _ReplayMode(_RegionMode):
             out = _placeholder(func, args, kwargs, r.skipped_meta[index])
         else:
             if index < r.diverged_at:
-                names = set(r.region.protect.get(index, ()))
+                protect = r.region.protect.get(index)
+                names = set(protect) if protect else _NO_NAMES
             else:  # NOTE [Leaving the profiled ops]
                 names = r.buffer_args(func, args, kwargs)
             info = op_info(func)
             if info.write_args:
+                names = set(names)
                 for name, value in arg_values(func, args, kwargs):
                     if name in info.write_args and any(
                         storage_key(t) not in r.replay_storages for t in tensors_in(value)
@@ -582,8 +623,9 @@ class _ReplayMode(_RegionMode):
         if r.debug:
             log.debug("libra: %s[%d] replay op %d %s: %s", r.region.module, r.region.call, index, func,
                       "from the cache" if cached is not None else "skipped" if skipped else "recomputed")
-        for t in _leaves(out):
-            r.replay_storages.add(storage_key(t))
+        if r.writes:  # NOTE [Executor bookkeeping]
+            for t in _leaves(out):
+                r.replay_storages.add(storage_key(t))
         return out
 
 
