@@ -6,11 +6,30 @@ import torch
 
 from libra.testing.meter import AllocatorMeter, LiveBytesMeter, MemoryCap
 
-__all__ = ["AllocatorMeter", "LiveBytesMeter", "MemoryCap", "assert_grads_equal", "fixed_times"]
+__all__ = ["AllocatorMeter", "LiveBytesMeter", "MemoryCap", "assert_grads_equal", "bit_equal", "fixed_times"]
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bits: same dtype, shape and bit pattern of every element.
+
+    Stricter than ``torch.equal`` where floats compare equal without being the same (``-0.0 == 0.0``) and where
+    they are the same without comparing equal (a NaN is not equal to itself, so a step whose values overflow to
+    NaN would differ from itself by ``torch.equal``).
+    """
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        if a.is_complex():
+            a, b = torch.view_as_real(a), torch.view_as_real(b)
+        as_int = _SAME_SIZE_INT[a.element_size()]
+        return torch.equal(a.view(as_int), b.view(as_int))
+    return torch.equal(a, b)
 
 
 def assert_grads_equal(expected: torch.nn.Module, actual: torch.nn.Module) -> None:
-    """Asserts every ``.grad``, parameter and buffer of two models are bit-identical (``torch.equal``).
+    """Asserts every ``.grad``, parameter and buffer of two models are bit-identical (:func:`bit_equal`).
 
     Raises:
         AssertionError: naming the first tensor that differs and by how much.
@@ -26,7 +45,7 @@ def assert_grads_equal(expected: torch.nn.Module, actual: torch.nn.Module) -> No
             if a is not b:
                 raise AssertionError(f"{name}: one model has it and the other does not")
             continue
-        if not torch.equal(a, b):
+        if not bit_equal(a, b):
             diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else "shape differs"
             raise AssertionError(f"{name} differs from eager (max abs difference {diff})")
 
