@@ -2,17 +2,19 @@
 
 NOTE [Region overhead]: every op of a checkpointed call goes through Libra's forward mode, and again through its
 replay mode when backward recomputes the call; checkpoint's saved-tensor hooks run in Python for each saved tensor
-of both passes. On a 2-core CPU with torch 2.13 this measured 30-50 us per op in each pass for a GPT block's ops,
-several times a do-nothing dispatch mode on a tiny ``add`` (the profile's ``dispatch_overhead_seconds``, ~3 us):
-a planner that costs regions by the latter checkpoints blocks that save little and predicts 1.2x where 1.4x is
-measured. So the profiler measures it: a small block of the usual ops (layer norm, linear, GELU, scaling, residual
-add; no in-place ops, which a region that keeps everything would copy) run forward and backward eagerly and under
-a region whose every output is kept (nothing recomputed, so what remains is the executor's own cost), at depths 1
-and 3 so that the per-op cost and checkpoint's fixed cost per call
-separate. The cost grows with the tensors' size (measured per op, forward / replay: 18 / 21 us at 16 KiB,
-30 / 60 us at 512 KiB, 60 / 150 us at 2 MiB, one thread), so the block is sized like the profiled step: its
-activations have the median size of the step's forward outputs, rounded to a power of two (each size measured once
-per process). The planner reads the figures from the profile (``Profile.region_costs``).
+of both passes. That costs several times a do-nothing dispatch mode on a tiny ``add`` (the profile's
+``dispatch_overhead_seconds``): a planner that costs regions by the latter checkpoints blocks that save little and
+predicts far less than is measured. So the profiler measures it: a small block of the usual ops (layer norm,
+linear, GELU, scaling, residual add; no in-place ops, which a region that keeps their inputs would copy) run
+forward and backward eagerly and under a region that recomputes nothing (``calibration_plan``: it keeps the
+outputs autograd saves and skips the other ops in its replay, so what remains is the executor's own cost), at
+depths 1 and 3 so that the per-op cost and checkpoint's fixed cost per call separate. A region that kept every
+output instead (as this calibration did before) holds what eager frees, which on a CPU costs fresh pages per op:
+it charged 1.2-2x the forward cost of a realistic region at 512 KiB-2 MiB activations
+(``bench/executor_cost.py``). The cost still depends on the tensors' size on a CPU (the allocator's page faults),
+so the block is sized like the profiled step: its activations have the median size of the step's forward
+outputs, rounded to a power of two (each size measured once per process). The planner reads the figures from the
+profile (``Profile.region_costs``).
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
-from libra._ops import op_info
+from libra._ops import op_info, storage_key
 from libra.planner.types import RegionPlan
-from libra.runtime.region import RegionRun
+from libra.runtime.region import RegionRun, _leaves
 
 __all__ = ["RegionCosts", "region_costs", "cached_region_costs", "copy_seconds_per_byte", "step_calibrations"]
 
@@ -75,6 +77,27 @@ def _op_names(block: nn.Module, x: torch.Tensor) -> list[str]:
     return [op_info(f).name for f in run.funcs]
 
 
+def _same(t):
+    return t
+
+
+def calibration_plan(block: nn.Module, x: torch.Tensor) -> RegionPlan:
+    """The region the costs are measured on: it keeps the outputs autograd saves and skips every other op in its
+    replay, as a plan that recomputes nothing of a call does (NOTE [Region overhead])."""
+    names = _op_names(block, x)
+    run = RegionRun(RegionPlan("calibration", 0, names, save=list(range(len(names)))), block, note=_quiet)
+    saved = set()
+
+    def pack(t):
+        saved.add(storage_key(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _same), run.contexts()[0]:
+        run.run(x)  # every output held by the cache while saved storages are noted: keys stay unique
+    kept = [i for i, out in sorted(run.cache.items()) if any(storage_key(t) in saved for t in _leaves(out))]
+    return RegionPlan("calibration", 0, names, save=kept, skip=[i for i in range(len(names)) if i not in kept])
+
+
 def _best(fn, sync) -> float:
     best = float("inf")
     for _ in range(_REPEATS):
@@ -88,15 +111,16 @@ def _best(fn, sync) -> float:
 
 def _measure(depth: int, rows: int, device: torch.device, sync) -> tuple[int, float, float, float, float]:
     """(ops, added forward seconds, added forward + backward seconds) of one region call of a block under Libra's
-    modes keeping everything, then the same two for plain checkpoint, less the replay's own ops (one forward)."""
+    modes recomputing nothing (``calibration_plan``), then the same two for plain checkpoint, less the replay's own
+    ops (one forward)."""
     torch.manual_seed(0)
     block = _Block(depth).to(device)
     x = torch.randn(rows, _WIDTH, device=device, requires_grad=True)
-    names = _op_names(block, x)
-    keep_all = RegionPlan("calibration", 0, names, save=list(range(len(names))))
+    plan = calibration_plan(block, x)
+    names = plan.ops
 
     def region():
-        run = RegionRun(keep_all, block, note=_quiet)
+        run = RegionRun(plan, block, note=_quiet)
         return torch_checkpoint.checkpoint(run.run, x, use_reentrant=False, context_fn=run.contexts)
 
     def eager_fwd():
