@@ -124,10 +124,12 @@ def main() -> None:
         results[f"{kib}KiB"] = r = measure(kib * 1024 // (4 * _WIDTH), args.rounds)
         for stat in ("fastest", "median"):
             f = r[stat]
+            cells = []
+            for n in ("null_mode", "plain", "keep_all", "keep_saved", "keep_none"):
+                replay = "-" if f[n]["replay_us"] is None else format(f[n]["replay_us"], ".1f")
+                cells.append(f"{n} {f[n]['forward_us']:5.1f}/{replay}")
             print(f"{kib:4d} KiB {stat:8s} eager op {f['eager_op_forward_us']:5.1f} us | per op added, forward / "
-                  "replay: " + "  ".join(
-                      f"{n} {f[n]['forward_us']:5.1f}/{'-' if f[n]['replay_us'] is None else format(f[n]['replay_us'], '.1f')}"
-                      for n in ("null_mode", "plain", "keep_all", "keep_saved", "keep_none")))
+                  "replay: " + "  ".join(cells))
     out = args.out or f"bench/results/executor-cost-{datetime.date.today().isoformat()}.json"
     write_result(out, {"rounds": args.rounds, "depths": DEPTHS, "results": results})
 

@@ -134,21 +134,21 @@ def _versions(out):
 _NO_NAMES: frozenset = frozenset()
 
 
-_INTERNAL = threading.local()
+class _Internal(threading.local):
+    active = 0  # nesting depth of _internal() in this thread
+
+
+_INTERNAL = _Internal()
 
 
 @contextlib.contextmanager
 def _internal():
     """Ops Libra itself runs inside a region's replay (another region's prefetch): not part of the op sequence."""
-    _INTERNAL.active = getattr(_INTERNAL, "active", 0) + 1
+    _INTERNAL.active += 1
     try:
         yield
     finally:
         _INTERNAL.active -= 1
-
-
-def _uncounted(func) -> bool:
-    return func in UNCOUNTED or getattr(_INTERNAL, "active", 0) > 0
 
 
 class OffloadContext:
@@ -532,7 +532,7 @@ class _RegionMode(TorchDispatchMode):
 class _ForwardMode(_RegionMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _uncounted(func):
+        if func in UNCOUNTED or _INTERNAL.active:
             return func(*args, **kwargs)
         r = self.r
         index = len(r.funcs)
@@ -554,7 +554,8 @@ class _ForwardMode(_RegionMode):
             if info.random and own is None:
                 r.rng_after[index] = _generator_state(args, kwargs)
         elif r.following and index in r.skip:
-            r.skipped_meta[index] = _map_only(torch.Tensor, _Shape, out)
+            r.skipped_meta[index] = (_Shape(out) if isinstance(out, torch.Tensor)
+                                     else _map_only(torch.Tensor, _Shape, out))
             if info.random and own is None:
                 r.rng_after[index] = _generator_state(args, kwargs)
         if r.debug:
@@ -566,7 +567,7 @@ class _ForwardMode(_RegionMode):
 class _ReplayMode(_RegionMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _uncounted(func):
+        if func in UNCOUNTED or _INTERNAL.active:
             return func(*args, **kwargs)
         r = self.r
         index = r.replay_index
@@ -661,7 +662,7 @@ def _placeholder(func, args, kwargs, meta):
         for name, value in arg_values(func, args, kwargs):
             if name == info.write_args[0]:
                 return value
-    return _map_only(_Shape, _Shape.empty, meta)
+    return meta.empty() if isinstance(meta, _Shape) else _map_only(_Shape, _Shape.empty, meta)
 
 
 def _private_copies(func, args, kwargs, names):
