@@ -597,19 +597,14 @@ def test_data_dependent_branch_and_loop(caplog):
 
 
 # ---- the user's own checkpoint and save_on_cpu --------------------------------------------------------------------
-_RELEASE_NOT_UNPACK = (
-    "simulator: takes a saved tensor as released at its last unpack (PackRecord.last_unpack), but autograd releases "
-    "it when the consuming node finishes; the user's checkpoint node holds Libra's region frame (its input was "
-    "packed into it) through the whole inner recompute and backward, so the region's cached outputs outlive l_r "
-    "by 2 x (batch, d) and the measured peak exceeds the budget (gradients exact)")
-
-
 def test_users_own_checkpoint_inside_a_block():
     run_case(stack(am.UserCheckpointBlock), [features()])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_RELEASE_NOT_UNPACK)
 def test_users_own_reentrant_checkpoint_inside_a_block():
+    """The user's reentrant checkpoint node holds Libra's region frame (its input was packed into it) through its
+    whole inner recompute and backward: the frame dies with the last save made under it, after its last unpack
+    (NOTE [Release after unpack]); taken at the unpack, the cached outputs outlived it by 2 x (batch, d)."""
     run_case(stack(lambda d: am.UserCheckpointBlock(d, use_reentrant=True)), [features()])
 
 

@@ -4,15 +4,16 @@ Pure Python over a :class:`~libra.profiler.types.Profile`; no torch.
 
 NOTE [Region model]: the region executor runs one module call under non-reentrant ``torch.utils.checkpoint``. In the
 forward, autograd then holds nothing from inside the region: a storage made there lives only while the region's own
-ops use it, unless its op is *saved* (kept in Libra's cache). At the first backward unpack of anything saved inside the
-region (``t_r``), the region's forward is replayed up to its last save; replayed storages that autograd saves live from
-``t_r`` to their eager free; cached ones and the region's inputs live until the region's last unpack (``l_r``), when
-the checkpoint frame dies. A storage that escapes the region and is still held when backward begins (saved outside
-it, or alive into backward) is always cached, so that the replay never makes a second copy of it, unless the region
-later changes it in place: then caching it would need a private copy alive from forward to backward, and replaying it
-costs a second copy only during the region's backward. One that escapes only into the rest of the forward (a block's
-output that the next op reads and nothing saves) is not cached: caching it would hold it to the region's backward,
-where eager frees it as soon as the forward is done with it.
+ops use it, unless its op is *saved* (kept in Libra's cache). At the first backward unpack of anything saved inside
+the region (``t_r``), the region's forward is replayed up to its last save; replayed storages that autograd saves
+live from ``t_r`` to their eager free; cached ones and the region's inputs live until the checkpoint frame dies
+(``l_r``), with the last save made under it (NOTE [Release after unpack]). A storage that escapes the region and is
+still held when backward begins (saved outside it, or alive into backward) is always cached, so that the replay
+never makes a second copy of it, unless the region later changes it in place: then caching it would need a private
+copy alive from forward to backward, and replaying it costs a second copy only during the region's backward. One
+that escapes only into the rest of the forward (a block's output that the next op reads and nothing saves) is not
+cached: caching it would hold it to the region's backward, where eager frees it as soon as the forward is done with
+it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class RegionInstance:
     start: int
     end: int
     t_r: int  # first unpack of a tensor saved inside (op index), -1 if never
-    l_r: int  # last unpack
+    l_r: int  # when the checkpoint frame dies: the release of the last save made inside (NOTE [Release after unpack])
     stop: int  # replay runs ops [start, stop)
     # storages produced inside, as parallel lists
     sids: list[int] = field(default_factory=list)
@@ -252,22 +253,29 @@ def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], di
             continue
         unpacks = [profile.packs[pi] for pi in region_packs if profile.packs[pi].first_unpack >= 0]
         region_pack_set = set(region_packs)
-        # NOTE [Release after unpack]: autograd lets go of a saved tensor when the node that unpacked it has run,
-        # not at the unpack: the eager free time of a storage that only this region saved is when that happened.
-        # A replayed copy goes a little earlier (see _apply_end).
-        own_frees = [
-            storages[p.storage].free_op
-            for p in unpacks
-            if not storages[p.storage].static
-            and all(q in region_pack_set for q in packs_by_storage.get(p.storage, ()))
-            and storages[p.storage].free_op >= first_bwd
-        ]
+        # NOTE [Release after unpack]: autograd lets go of a saved tensor when the node that holds it is released,
+        # after that node's backward has run (or with the graph, if it never runs), not at the unpack. The
+        # checkpoint frame (its inputs, Libra's cache, the RNG state it stashed) dies with the last of the saves
+        # made under it, whose release the profiler records (PackRecord.released_op). Profiles made by hand have
+        # none: there the eager free time of a storage that only this region saved stands in for it. A replayed
+        # copy goes a little earlier (see _apply_end).
+        released = [profile.packs[pi].released_op for pi in region_packs]
+        if all(r >= 0 for r in released):
+            frame_end = max(released)
+        else:
+            frame_end = max([p.last_unpack for p in unpacks] + [
+                storages[p.storage].free_op
+                for p in unpacks
+                if not storages[p.storage].static
+                and all(q in region_pack_set for q in packs_by_storage.get(p.storage, ()))
+                and storages[p.storage].free_op >= first_bwd
+            ], default=-1)
         inst = RegionInstance(
             call_index=ci,
             start=a,
             end=b,
             t_r=min((p.first_unpack for p in unpacks), default=-1),
-            l_r=max([p.last_unpack for p in unpacks] + own_frees, default=-1),
+            l_r=frame_end,
             stop=min(max(profile.packs[pi].pack_op for pi in region_packs), b),
             # what it reads from before it, and what it was handed without reading (checkpoint holds every argument)
             external_inputs=[s for s in dict.fromkeys(external + c.arg_storages)

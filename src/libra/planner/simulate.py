@@ -168,8 +168,10 @@ class Simulator:
         # replay of the op (``_replay``), whatever the plan. Profiles from before schema 2 have none.
         # NOTE [RNG state]: ``checkpoint(preserve_rng_state=True)`` stashes the CPU generator's state (a tensor of
         # ``profile.rng_state_bytes``, 5,056 B with torch 2.13) per checkpointed call, from the call's forward until
-        # autograd lets go of what it saved (its last unpack), and forks it once more while the call replays. On a
-        # CUDA device that state lives in host memory: the profile then records 0. Hooked calls stash nothing.
+        # the checkpoint frame dies (``l_r``), and forks it once more while the call replays. Libra's modes keep one
+        # more per random op they do not rerun (kept or skipped: the replay restores the generator as the op left
+        # it), from that op until the frame dies. On a CUDA device those states live in host memory: the profile
+        # then records 0. Plain calls keep only checkpoint's; hooked calls stash nothing.
         self.rng_state_bytes = int(profile.rng_state_bytes)
         self.transient = np.array([o.transient_bytes for o in profile.ops] + [0], dtype=np.int64)
         self._transient = self.transient.tolist()
@@ -227,15 +229,16 @@ class Simulator:
         self._unit_times: dict[tuple[int, frozenset[int]], tuple] = {}
         self._records: dict[tuple[int, frozenset[int]], _UnitRecord] = {}
         # storage -> (end, saving instance or None) of each save of it. A save holds its storage until autograd
-        # releases the node that unpacked it, after that node's last op (NOTE [Release after unpack] in
-        # regions.py): for the save unpacked last, that is the storage's eager free; for the others their last
-        # unpack stands in. A save made outside the plan's regions still holds it so (a plain linear's output
-        # saved by the next linear outlived its last unpack by that node's bias reduction, 32 KiB).
+        # releases the node that holds it, which the profiler records (NOTE [Release after unpack] in regions.py).
+        # Profiles made by hand have no record: for the save unpacked last, the storage's eager free stands in, for
+        # the others their last unpack.
+        packs = profile.packs
         self._saves: list[list[tuple[int, tuple[int, int] | None]]] = []
         for s in range(len(st)):
             pis = self.packs_of.get(s, ())
             last = max((self.pack_end[pi] for pi in pis), default=-1)
-            self._saves.append([(max(self.pack_end[pi], self.free[s]) if self.pack_end[pi] == last
+            self._saves.append([(packs[pi].released_op if packs[pi].released_op >= 0
+                                 else max(self.pack_end[pi], self.free[s]) if self.pack_end[pi] == last
                                  else self.pack_end[pi], self.pack_owner.get(pi)) for pi in pis])
         self._exact_ops: dict[int, list[int]] = {}
         self._own_inputs: dict[tuple[int, int], dict[int, list[int]]] = {}
@@ -356,10 +359,15 @@ class Simulator:
         op_time = self._op_time
         plain, offloaded, saved, per_op, per_call = self._entry(ui, cached)
         in_cache = saved - offloaded
+        ops = self.profile.ops
+        unrun = set() if plain or not rng else saved | self.skip_of(ui, saved)  # ops the replay does not rerun
         for ii, inst in enumerate(unit.instances):
             last = inst.l_r if inst.l_r >= 0 else n
-            if rng:  # NOTE [RNG state]
-                rec.held.append((inst.start, last if inst.t_r >= 0 else inst.end - 1, rng, ui))
+            if rng:  # NOTE [RNG state]: checkpoint's, and one per random op the replay does not rerun
+                end = last if inst.t_r >= 0 else inst.end - 1
+                rec.held.append((inst.start, end, rng, ui))
+                rec.held.extend((inst.start + local, end, rng, ui) for local in sorted(unrun)
+                                if ops[inst.start + local].random and not ops[inst.start + local].generator)
             producer = inst.producer
             for k, s in enumerate(inst.sids):
                 rec.touched.append(s)

@@ -78,6 +78,7 @@ class Recorder(TorchDispatchMode):
         self._sid: dict[int, int] = {}
         self._finalizers: list[weakref.finalize] = []
         self._drops: list[weakref.finalize] = []  # one per tensor object a forward op returned (NOTE [Python's hold])
+        self._releases: list[weakref.finalize] = []  # one per save (PackRecord.released_op)
         self._resized_from: dict[int, int] = {}  # NOTE [Resized storages]: first record of a storage -> its current
         self._resized_away: set[int] = set()  # records already freed by a resize
         self.hook_depth = 0  # > 0 while FSDP2's forward hooks run (NOTE [FSDP2's hooks are never replayed])
@@ -211,6 +212,13 @@ class Recorder(TorchDispatchMode):
                 self.storages[self._resized_from.get(sid, sid)].held_op = n
                 fin.detach()
         self._drops.clear()
+        for fin in self._releases:
+            info = fin.peek()
+            if info is not None:
+                (index,) = info[2]
+                self.packs[index].released_op = n
+                fin.detach()
+        self._releases.clear()
         self._sid.clear()
         self._fakes.clear()
         self._resized_from.clear()
@@ -326,7 +334,15 @@ class Recorder(TorchDispatchMode):
             return (-1, t)
         call = self.call_stack[-1] if self.call_stack else -1
         self.packs.append(PackRecord(storage=sid, pack_op=len(self.ops), module_call=call))
-        return (len(self.packs) - 1, t.detach())  # an alias: never the object Python holds (NOTE [Python's hold])
+        alias = t.detach()  # never the object Python holds (NOTE [Python's hold])
+        # only autograd's saved variable holds the alias (and a backward formula while it runs): it dies when the node
+        # that saved it is released (NOTE [Release after unpack] in planner/regions.py)
+        self._releases.append(weakref.finalize(alias, self._on_release, len(self.packs) - 1))
+        return (len(self.packs) - 1, alias)
+
+    def _on_release(self, index: int) -> None:
+        record = self.packs[index]
+        record.released_op = max(len(self.ops) - 1, record.last_unpack, record.pack_op)
 
     def unpack(self, packed):
         index, t = packed

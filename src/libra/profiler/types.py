@@ -15,9 +15,10 @@ from libra.errors import PlanFormatError
 
 __all__ = ["OpRecord", "StorageRecord", "PackRecord", "ModuleCall", "Profile", "PROFILE_SCHEMA_VERSION"]
 
-PROFILE_SCHEMA_VERSION = 4  # 2: per-op transient bytes and the allocator's own peak (NOTE [Allocator truth]);
+PROFILE_SCHEMA_VERSION = 5  # 2: per-op transient bytes and the allocator's own peak (NOTE [Allocator truth]);
 # 3: the host link's bandwidth, measured by the profiler; 4: when Python let go of each storage (StorageRecord.held_op)
-# and what each module call was handed (ModuleCall.arg_storages)
+# and what each module call was handed (ModuleCall.arg_storages); 5: when autograd let go of each save
+# (PackRecord.released_op)
 
 
 @dataclass
@@ -65,6 +66,10 @@ class PackRecord:
     module_call: int = -1  # index into Profile.module_calls of the innermost module call it was saved in
     first_unpack: int = -1  # op index about to run when it was first unpacked; -1 if never
     last_unpack: int = -1
+    # the last op that ran before autograd let go of the save (NOTE [Release after unpack] in planner/regions.py):
+    # the node that holds it is released after its backward has run, or with the graph; the step's op count if it
+    # outlived the step
+    released_op: int = -1
 
 
 @dataclass
