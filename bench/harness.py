@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from libra.testing import LiveBytesMeter
+from libra.testing import AllocatorMeter
 
 from bench.methods import Method
 from bench.models import Workload
@@ -24,19 +24,6 @@ from bench.models import Workload
 __all__ = ["Meter", "Snapshot", "CheckResult", "check", "timed_rounds", "summarize_times", "STEP_SEED"]
 
 STEP_SEED = 1234  # torch.manual_seed before every step: dropout draws the same masks for every method
-
-
-class Meter(LiveBytesMeter):
-    """:class:`libra.testing.LiveBytesMeter` that lets ``torch.compile`` compile and run its artifacts while active.
-
-    A dispatch mode that does not ignore compile internals makes compiled code run eagerly (DESIGN.md, pitfall 10);
-    with this flag compiled graphs run compiled and the meter sees the aten ops they dispatch. It makes no difference
-    to eager code.
-    """
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
 
 
 def _arrays(named) -> dict[str, np.ndarray]:
@@ -89,7 +76,9 @@ def check(work: Workload, snap: Snapshot, method: Method) -> CheckResult:
     snap.restore()
     gc.collect()
     torch.manual_seed(STEP_SEED)
-    with Meter(extra=list(work.model.parameters())) as meter:
+    # the allocator's count (kernels' temporaries included): what a budget promises. It is no dispatch mode, so
+    # compiled code runs compiled under it, and it sees the buffers Inductor allocates outside the dispatcher too.
+    with AllocatorMeter(extra=list(work.model.parameters())) as meter:
         t0 = time.perf_counter()
         loss = run_step(work, method)
         seconds = time.perf_counter() - t0

@@ -209,7 +209,7 @@ def plot_pareto(result: dict, path: str) -> None:
     for label, (color, marker) in style.items():
         ax.scatter([], [], color=color, marker=marker, label=label)
     ax.axhline(1.0, color="gray", lw=0.5)
-    ax.set_xlabel("measured peak above static (MiB), LiveBytesMeter")
+    ax.set_xlabel("measured peak above static (MiB), AllocatorMeter")
     ax.set_ylabel("step time / eager's (fastest of the interleaved timed steps)")
     cfg = result.get("config", {})
     ax.set_title(f"{result['model']}{' (quick)' if result.get('quick') else ''}: memory vs time, "
