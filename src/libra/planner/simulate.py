@@ -237,9 +237,16 @@ class Simulator:
         for s in range(len(st)):
             pis = self.packs_of.get(s, ())
             last = max((self.pack_end[pi] for pi in pis), default=-1)
-            self._saves.append([(packs[pi].released_op if packs[pi].released_op >= 0
-                                 else max(self.pack_end[pi], self.free[s]) if self.pack_end[pi] == last
-                                 else self.pack_end[pi], self.pack_owner.get(pi)) for pi in pis])
+            ends = []
+            for pi in pis:
+                if packs[pi].released_op >= 0:
+                    end = packs[pi].released_op
+                elif self.pack_end[pi] == last:
+                    end = max(last, self.free[s])
+                else:
+                    end = self.pack_end[pi]
+                ends.append((end, self.pack_owner.get(pi)))
+            self._saves.append(ends)
         self._exact_ops: dict[int, list[int]] = {}
         self._own_inputs: dict[tuple[int, int], dict[int, list[int]]] = {}
         # plain-Python copies for the per-storage loops (numpy scalar indexing is slow)

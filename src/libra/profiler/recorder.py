@@ -196,29 +196,14 @@ class Recorder(TorchDispatchMode):
         """Stops recording; storages still alive are marked as outliving the step."""
         self.closed = True
         n = len(self.ops)
-        for fin in self._finalizers:
-            info = fin.peek()
-            if info is not None:
-                key, sid = info[2]
-                sid = self._resized_from.get(sid, sid)
-                if sid not in self._resized_away:
-                    self.storages[sid].free_op = n
-                fin.detach()
-        self._finalizers.clear()
-        for fin in self._drops:
-            info = fin.peek()
-            if info is not None:
-                (sid,) = info[2]
-                self.storages[self._resized_from.get(sid, sid)].held_op = n
-                fin.detach()
-        self._drops.clear()
-        for fin in self._releases:
-            info = fin.peek()
-            if info is not None:
-                (index,) = info[2]
-                self.packs[index].released_op = n
-                fin.detach()
-        self._releases.clear()
+        for key, sid in _outlived(self._finalizers):
+            sid = self._resized_from.get(sid, sid)
+            if sid not in self._resized_away:
+                self.storages[sid].free_op = n
+        for (sid,) in _outlived(self._drops):
+            self.storages[self._resized_from.get(sid, sid)].held_op = n
+        for (index,) in _outlived(self._releases):
+            self.packs[index].released_op = n
         self._sid.clear()
         self._fakes.clear()
         self._resized_from.clear()
@@ -353,6 +338,14 @@ class Recorder(TorchDispatchMode):
                 record.first_unpack = at
             record.last_unpack = at
         return t
+
+
+def _outlived(finalizers: list) -> list[tuple]:
+    """The arguments of each finalizer in ``finalizers`` that has not fired (what it watches outlived the step),
+    each detached; empties the list."""
+    pending = [info[2] for info in (fin.detach() for fin in finalizers) if info is not None]
+    finalizers.clear()
+    return pending
 
 
 _RESIZE_WATCHERS: list[Recorder] = []
