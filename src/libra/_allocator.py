@@ -208,10 +208,12 @@ def per_marker_extra(memory: list[tuple[int, int]], markers: list[tuple[int, int
     return out
 
 
-def per_marker_highs(memory: list[tuple[int, int]], markers: list[tuple[int, int]], end: int | None = None) -> list[int]:
-    """For each marker range, the most the allocator held (above where the events start) from the range's start to
-    the next range's start: inside the op, and between it and the next op (the first range also covers what came
-    before it, the last what came after it, up to ``end`` ns if given)."""
+def per_marker_highs(memory: list[tuple[int, int]], markers: list[tuple[int, int]],
+                     end: int | None = None) -> list[tuple[int, int]]:
+    """For each marker range, ``(high, left)``: the most the allocator held (above where the events start) from the
+    range's start to the next range's start, inside the op and between it and the next op, and what it held when
+    the next range started (the first range also covers what came before it, the last what came after it, up to
+    ``end`` ns if given)."""
     if end is not None:
         memory = memory[: bisect.bisect_left([t for t, _ in memory], end)]
     times = [t for t, _ in memory]
@@ -227,5 +229,5 @@ def per_marker_highs(memory: list[tuple[int, int]], markers: list[tuple[int, int
             if level > high:
                 high = level
             k += 1
-        out.append(high)
+        out.append((high, level))
     return out

@@ -157,7 +157,7 @@ def test_profiles_of_the_old_schema_are_refused(tmp_path):
     path = tmp_path / "p.json"
     prof.save(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 5 and "transient_bytes" in data["ops"][0] and data["host_bandwidth"] == 0.0
+    assert data["schema_version"] == 6 and "transient_bytes" in data["ops"][0] and data["host_bandwidth"] == 0.0
     assert any(s["held_op"] >= 0 for s in data["storages"])
     assert all(p["released_op"] >= max(p["last_unpack"], p["pack_op"]) for p in data["packs"])
     assert libra.Profile.load(path) == prof
@@ -165,7 +165,7 @@ def test_profiles_of_the_old_schema_are_refused(tmp_path):
     for s in data["storages"]:
         del s["held_op"]
     path.write_text(json.dumps(data))
-    with pytest.raises(PlanFormatError, match="schema_version 3; this Libra reads 5"):
+    with pytest.raises(PlanFormatError, match="schema_version 3; this Libra reads 6"):
         libra.Profile.load(path)
 
 
@@ -267,3 +267,27 @@ def test_an_outer_meter_counts_what_only_cpp_holds_for_inner_meters_and_the_prof
         pass
     assert alone.start_bytes < seen + grad_bytes
     assert other.weight.grad is not None
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(x).mul_(0.5)
+
+
+def test_a_scalar_wrapped_outside_every_op_is_untracked_until_backward():
+    # NOTE [Untracked bytes]: Python's binding wraps 0.5 in an 8-byte float64 tensor before dispatch; mul_'s
+    # autograd node keeps it, without a saved-tensor hook, until its backward
+    model, x = _Scaled(), torch.randn(4, 16)
+    prof = libra.profile(model, lambda: model(x).sum().backward())
+    names = [op.name for op in prof.ops]
+    scale = names.index("aten.mul_.Tensor")
+    (grad,) = [i for i, op in enumerate(prof.ops) if op.backward and op.name == "aten.mul.Tensor"]
+    assert prof.allocator == "cpu-events"
+    # held from just before mul_ (the binding wraps it) until the node lets go of it, after its backward
+    assert [op.untracked_bytes for op in prof.ops[scale - 1:grad]] == [8] * (grad - scale + 1)
+    assert all(op.untracked_bytes == 0 for op in prof.ops[grad + 1:])
+    assert all(op.transient_bytes >= op.untracked_bytes for op in prof.ops)

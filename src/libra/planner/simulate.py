@@ -175,6 +175,16 @@ class Simulator:
         self.rng_state_bytes = int(profile.rng_state_bytes)
         self.transient = np.array([o.transient_bytes for o in profile.ops] + [0], dtype=np.int64)
         self._transient = self.transient.tolist()
+        # NOTE [Untracked bytes]: some of an op's transient bytes are not its kernels' but memory no storage of the
+        # profile accounts for that lives on across ops: the scalar of ``x.mul_(0.5)``, which Python's binding wraps
+        # in a tensor before dispatch (no op returns it) and the op's autograd node keeps without a saved-tensor
+        # hook, 8 bytes on a CPU from the op to its backward. It shows in the transient bytes of every op while it
+        # lives, and ``OpRecord.untracked_bytes`` is what of it is left when the op returns. A replay makes such
+        # memory again (the module's own Python runs again) and it coexists with what was left before the replay
+        # began: ``_replay`` keeps the latter, and counts in the replayed ops only what was not carried into the
+        # region from before it. Found by a random-DAG sweep: a plain-checkpointed block with ``mul_(0.5)`` ran 8 B
+        # over its prediction at the named minimum.
+        self._untracked = [o.untracked_bytes for o in profile.ops] + [0]
         self.op_time = np.concatenate([[0.0], np.cumsum([o.seconds for o in profile.ops])])  # start time of each op
         # holders of each storage in eager (NOTE [Who holds a storage])
         last_use = np.full(len(st), -1, dtype=np.int64)
@@ -580,7 +590,11 @@ class Simulator:
         frees: dict[int, int] = {}
         transient = self._transient
         cur = peak = rng  # the replay forks the RNG: one more state lives while it runs (NOTE [RNG state])
+        untracked = self._untracked
+        carried = untracked[inst.start - 1] if inst.start > 0 else 0  # NOTE [Untracked bytes]
         for local in range(span):
+            if local:
+                carried = min(carried, untracked[inst.start + local - 1])
             if local in saved:
                 continue
             for k in by_op.get(local, ()):
@@ -592,11 +606,12 @@ class Simulator:
                 else:
                     end = min(max(inst.fwd_end[k], self._free[inst.sids[k]]) - inst.start, span - 1)
                     frees[end] = frees.get(end, 0) + size
-            peak = max(peak, cur + transient[inst.start + local])  # NOTE [Transient bytes]
+            peak = max(peak, cur + transient[inst.start + local] - carried)  # NOTE [Transient bytes]
             cur -= frees.pop(local, 0)
         # the point after t_r already carries op t_r's own transient bytes, which do not coexist with the replay
-        # (it runs before op t_r): the point stands for the larger of the two moments
-        extra = peak - kept - self._allocated_at[inst.t_r] - transient[inst.t_r]
+        # (it runs before op t_r): the point stands for the larger of the two moments; what the op before it left
+        # untracked does (NOTE [Untracked bytes])
+        extra = peak - kept - self._allocated_at[inst.t_r] - transient[inst.t_r] + untracked[inst.t_r - 1]
         if extra > 0:
             bursts.append((inst.t_r, extra, ui))
         self._replay_seconds(ui, ii, saved, seconds, plain)

@@ -214,7 +214,8 @@ class StepRecording:
         On CUDA the recorder read each op's transient bytes around it. On CPU they are what the allocator held from
         the op's start to the next op's start above the storages live after the op: the kernels' temporaries, and
         what no dispatched op returns (the scalar ``x.mul_(0.5)`` wraps in a tensor that its autograd node keeps
-        without a saved-tensor hook, 8 bytes until backward)."""
+        without a saved-tensor hook, 8 bytes until backward); of those, what is still held when the next op starts
+        is also the op's ``untracked_bytes`` (NOTE [Untracked bytes] in planner/simulate.py)."""
         ops = recorder.ops
         n = len(ops)
         if self._hidden_sid >= 0:
@@ -226,8 +227,14 @@ class StepRecording:
             self._tap = None
             if len(att.markers) == n:
                 end = att.ends[0] if att.ends else None
-                for t, high in enumerate(per_marker_highs(att.memory, att.markers, end)):
+                # what op t's storages less those freed right after it: what is live when op t + 1 starts
+                freed = [0] * (n + 1)
+                for st in recorder.storages:
+                    if 0 <= st.free_op < n and st.free_op >= st.alloc_op:
+                        freed[st.free_op] += st.nbytes
+                for t, (high, left) in enumerate(per_marker_highs(att.memory, att.markers, end)):
                     ops[t].transient_bytes = max(self.static_bytes + high - live[t], 0)
+                    ops[t].untracked_bytes = max(self.static_bytes + left - live[t] + freed[t], 0)
                 memory = att.memory if end is None else [m for m in att.memory if m[0] < end]
                 allocator_peak = self.static_bytes + peak_above_start(memory)
             else:  # another user of the profiler added or took ranges: do not guess which op is which

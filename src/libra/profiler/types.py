@@ -15,10 +15,11 @@ from libra.errors import PlanFormatError
 
 __all__ = ["OpRecord", "StorageRecord", "PackRecord", "ModuleCall", "Profile", "PROFILE_SCHEMA_VERSION"]
 
-PROFILE_SCHEMA_VERSION = 5  # 2: per-op transient bytes and the allocator's own peak (NOTE [Allocator truth]);
+PROFILE_SCHEMA_VERSION = 6  # 2: per-op transient bytes and the allocator's own peak (NOTE [Allocator truth]);
 # 3: the host link's bandwidth, measured by the profiler; 4: when Python let go of each storage (StorageRecord.held_op)
 # and what each module call was handed (ModuleCall.arg_storages); 5: when autograd let go of each save
-# (PackRecord.released_op)
+# (PackRecord.released_op); 6: what the allocator held between ops that no storage accounts for
+# (OpRecord.untracked_bytes)
 
 
 @dataclass
@@ -41,6 +42,9 @@ class OpRecord:
     # bytes the op's kernels held inside it above what it holds when it returns (workspaces, temporaries), from the
     # allocator itself (NOTE [Allocator truth] in libra/_allocator.py); charged at the op, and at every replay of it
     transient_bytes: int = 0
+    # of those, what the allocator still held when the op returned and the next began, that no storage of the profile
+    # accounts for (NOTE [Untracked bytes] in planner/simulate.py); 0 where not measured (on CUDA, or by hand)
+    untracked_bytes: int = 0
 
 
 @dataclass
