@@ -36,12 +36,13 @@ import threading
 
 import torch
 
-__all__ = ["AllocatorTap", "TAP", "MARKER", "END_MARKER", "peak_above_start", "per_marker_highs", "per_marker_extra"]
+__all__ = ["AllocatorTap", "TAP", "MARKER", "END_MARKER", "WARM_MARKER", "peak_above_start", "per_marker_highs", "per_marker_extra"]
 
 log = logging.getLogger("libra")
 
 MARKER = "libra::op"  # the record-function name the recorder brackets each op with
 END_MARKER = "libra::end"  # the recorder marks where its step ended (what comes after is not the step's)
+WARM_MARKER = "libra::warm"  # an untimed first call the recorder makes (NOTE [First calls] in profiler/_warm.py)
 
 
 def _other_profiler_running() -> bool:
@@ -150,7 +151,7 @@ class AllocatorTap:
         finally:
             if enabled:
                 gc.enable()
-        memory, markers = [], []
+        memory, markers, warm = [], [], []
         for e in session.profiler.kineto_results.events():
             name = e.name()
             if name == "[memory]":
@@ -160,8 +161,12 @@ class AllocatorTap:
                 markers.append((e.start_ns(), e.start_ns() + e.duration_ns()))
             elif name == END_MARKER:
                 self._ends.append(e.start_ns())
+            elif name == WARM_MARKER:
+                warm.append((e.start_ns(), e.start_ns() + e.duration_ns()))
         memory.sort(key=lambda m: m[0])
         markers.sort()
+        if warm:
+            memory = _folded(memory, sorted(warm))
         self._sum += sum(nbytes for _, nbytes in memory)
         self._memory.extend(memory)
         self._markers.extend(markers)
@@ -182,6 +187,24 @@ class AllocatorTap:
 
 
 TAP = AllocatorTap()
+
+
+def _folded(memory: list[tuple[int, int]], ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``memory`` with the events inside each of ``ranges`` (sorted, disjoint) replaced by one event of their sum
+    at the range's end: what an untimed call took and gave back there is nobody's (NOTE [First calls] in
+    profiler/_warm.py); what it kept still counts."""
+    out: list[tuple[int, int]] = []
+    starts = [a for a, _ in ranges]
+    net: dict[int, int] = {}
+    for t, nbytes in memory:
+        k = bisect.bisect_right(starts, t) - 1
+        if k >= 0 and t <= ranges[k][1]:
+            net[k] = net.get(k, 0) + nbytes
+        else:
+            out.append((t, nbytes))
+    out.extend((ranges[k][1], nbytes) for k, nbytes in net.items() if nbytes)
+    out.sort(key=lambda m: m[0])
+    return out
 
 
 def peak_above_start(memory: list[tuple[int, int]]) -> int:

@@ -28,6 +28,7 @@ from libra._forward import ForwardSwaps
 from libra._ops import (UNCOUNTED, arg_values, input_signature, kv_cache_args, op_info, plain_tensors, storage_key,
                         tensors_in)
 from libra.errors import LibraError
+from libra.profiler._warm import STATEFUL_OPS, warm_first_call
 from libra.profiler.fake import OpCall
 from libra.profiler.types import ModuleCall, OpRecord, PackRecord, StorageRecord
 
@@ -44,13 +45,8 @@ def allocated_bytes(nbytes: int, cuda: bool) -> int:
 
 
 # NOTE [Undeclared writes] under fake tensors: there are no values to compare, so the ops known to update module
-# state that their schema does not declare are listed (BatchNorm's running statistics, in each of its kernels)
-_UNDECLARED_STATE: dict[str, tuple[str, ...]] = {
-    name: ("running_mean", "running_var")
-    for name in ("aten.native_batch_norm.default", "aten._native_batch_norm_legit.default",
-                 "aten.cudnn_batch_norm.default", "aten.miopen_batch_norm.default",
-                 "aten._batch_norm_with_update.default", "aten.batch_norm_update_stats.default")
-}
+# state that their schema does not declare are listed (STATEFUL_OPS: BatchNorm's running statistics, in each of its
+# kernels)
 
 
 class Recorder(TorchDispatchMode):
@@ -230,6 +226,8 @@ class Recorder(TorchDispatchMode):
                 elif storage_key(t) in self.buffer_keys:
                     # NOTE [Undeclared writes]: native_batch_norm updates running stats without its schema saying so.
                     watched.append((name, t, None if self.fake else t.detach().clone(), sid))
+        if not self.fake and not watched:
+            warm_first_call(func, info, args, kwargs, self.mark_ops)  # NOTE [First calls]
         if self.cuda:  # kernels are asynchronous: time each op to its completion
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -255,7 +253,7 @@ class Recorder(TorchDispatchMode):
         undeclared = []
         for name, t, before, sid in watched:
             if self.fake:  # no values to compare: the ops known to write module state without saying so
-                changed = name in _UNDECLARED_STATE.get(info.name, ())
+                changed = name in STATEFUL_OPS.get(info.name, ())
             else:
                 changed = not torch.equal(t, before)
             if changed:

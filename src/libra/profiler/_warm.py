@@ -1,0 +1,59 @@
+"""First calls of an op, run once untimed so that the profile times what later steps pay.
+
+NOTE [First calls]: the first call of an op signature in a process pays one-time costs that later steps do not:
+oneDNN creates a convolution's primitive, cuDNN benchmarks algorithms, CUDA loads kernels. A profile of a process's
+first step took them for the step's own: on the test ResNet it timed the convolutions 2-6x their warm time and the
+eager step 2.2x, which made every plan's predicted step ratio 17-24% low (``bench/predicted_vs_measured.py``). So
+the recorder runs the first call of each signature once more before the timed one and drops its result, where that
+cannot change anything: an aten op with no declared or undeclared write (BatchNorm's running statistics), no
+generator, no collective, no Python value, and plain tensors only (a wrapper subclass's op may talk to other
+ranks). What that call allocates is not the step's (the allocator tap folds it into one event, NOTE [Allocator
+truth] in libra/_allocator.py). The signatures are remembered for the process: after a warm-up step, or in a
+second profile, each signature costs one untimed call the first time only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from libra._allocator import WARM_MARKER
+from libra._ops import OpInfo
+from libra.profiler.fake import _spec
+
+__all__ = ["warm_first_call", "STATEFUL_OPS"]
+
+# ops that update module state (BatchNorm's running statistics) without their schema saying so
+STATEFUL_OPS: dict[str, tuple[str, ...]] = {
+    name: ("running_mean", "running_var")
+    for name in ("aten.native_batch_norm.default", "aten._native_batch_norm_legit.default",
+                 "aten.cudnn_batch_norm.default", "aten.miopen_batch_norm.default",
+                 "aten._batch_norm_with_update.default", "aten.batch_norm_update_stats.default")
+}
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_WARMED: set[tuple] = set()
+
+
+def warm_first_call(func, info: OpInfo, args, kwargs, marked: bool) -> None:
+    """Runs ``func`` once, its result dropped, if this is the first call of its signature in the process and the
+    call can change nothing (NOTE [First calls]); ``marked``: inside a ``WARM_MARKER`` range, for the tap."""
+    if (info.write_args or info.random or info.collective or info.python_value or info.name in STATEFUL_OPS
+            or getattr(func, "namespace", "") != "aten"):
+        return
+    if any(isinstance(t, torch.Tensor) and type(t) not in _PLAIN for t in tree_leaves((args, kwargs))):
+        return
+    key = (func, repr(tree_map(_spec, tuple(args))), repr(sorted(tree_map(_spec, dict(kwargs)).items())))
+    if key in _WARMED:
+        return
+    _WARMED.add(key)
+    try:
+        if marked:
+            with torch._C._profiler._RecordFunctionFast(WARM_MARKER):
+                out = func(*args, **kwargs)
+                del out
+        else:
+            out = func(*args, **kwargs)
+            del out
+    except Exception:  # noqa: BLE001 - the timed call that follows raises it again, where it fails
+        pass
