@@ -14,6 +14,8 @@ second profile, each signature costs one untimed call the first time only.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -48,12 +50,7 @@ def warm_first_call(func, info: OpInfo, args, kwargs, marked: bool) -> None:
         return
     _WARMED.add(key)
     try:
-        if marked:
-            with torch._C._profiler._RecordFunctionFast(WARM_MARKER):
-                out = func(*args, **kwargs)
-                del out
-        else:
-            out = func(*args, **kwargs)
-            del out
+        with torch._C._profiler._RecordFunctionFast(WARM_MARKER) if marked else contextlib.nullcontext():
+            func(*args, **kwargs)  # the result is dropped here, inside the range
     except Exception:  # noqa: BLE001 - the timed call that follows raises it again, where it fails
         pass
