@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from libra._allocator import MARKER, TAP, per_marker_extra
 from libra._ops import UNCOUNTED, op_info
+from libra.profiler._warm import warm_first_call
 
 __all__ = ["StepTimer", "align", "first_difference"]
 
@@ -61,6 +62,8 @@ class StepTimer(TorchDispatchMode):
         if func in UNCOUNTED:
             return func(*args, **kwargs)
         replayed = torch._C._current_autograd_node() is not None and torch.is_grad_enabled()
+        info = op_info(func)
+        warm_first_call(func, info, args, kwargs, self._tap is not None)  # NOTE [First calls]
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -78,7 +81,7 @@ class StepTimer(TorchDispatchMode):
                 self.transient.append(max(int(held), 0))
                 self.measured_transient = True
             t1 = time.perf_counter_ns()
-        self.names.append(op_info(func).name)
+        self.names.append(info.name)
         self.seconds.append((t1 - t0) / 1e9)
         self.replayed.append(replayed)
         return out
