@@ -595,18 +595,17 @@ class Simulator:
         for local in range(span):
             if local:
                 carried = min(carried, untracked[inst.start + local - 1])
-            if local in saved:
-                continue
-            for k in by_op.get(local, ()):
-                size = nb[inst.sids[k]]
-                cur += size
-                if inst.packed[k]:
-                    if inst.bwd_end[k] >= inst.t_r:  # a copy in the curve from t_r (see _plan)
-                        kept += size
-                else:
-                    end = min(max(inst.fwd_end[k], self._free[inst.sids[k]]) - inst.start, span - 1)
-                    frees[end] = frees.get(end, 0) + size
-            peak = max(peak, cur + transient[inst.start + local] - carried)  # NOTE [Transient bytes]
+            if local not in saved:  # a saved op is served from the cache: it allocates nothing, but what dies at
+                for k in by_op.get(local, ()):  # it (its inputs) dies there as in the forward
+                    size = nb[inst.sids[k]]
+                    cur += size
+                    if inst.packed[k]:
+                        if inst.bwd_end[k] >= inst.t_r:  # a copy in the curve from t_r (see _plan)
+                            kept += size
+                    else:
+                        end = min(max(inst.fwd_end[k], self._free[inst.sids[k]]) - inst.start, span - 1)
+                        frees[end] = frees.get(end, 0) + size
+                peak = max(peak, cur + transient[inst.start + local] - carried)  # NOTE [Transient bytes]
             cur -= frees.pop(local, 0)
         # the point after t_r already carries op t_r's own transient bytes, which do not coexist with the replay
         # (it runs before op t_r): the point stands for the larger of the two moments; what the op before it left
