@@ -52,14 +52,7 @@ def _checkpointed_peak(model, x, y, loss_fn, blocks) -> int:
             del b.forward
 
 
-_UNET_GAP = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="counted with the allocator (kernels' temporaries included), the U-Net's named minimum is 1.72 MB above "
-           "the step's start against per-block checkpoint's 1.59 MB: the plan keeps one more 128 KiB ReLU output "
-           "at the peak (a convolution_backward); the planner rewrite (issue 18) is to close it")
-
-
-@pytest.mark.parametrize("build", [_mixer, pytest.param(_unet, marks=_UNET_GAP), _gpt], ids=["mixer", "unet", "gpt"])
+@pytest.mark.parametrize("build", [_mixer, _unet, _gpt], ids=["mixer", "unet", "gpt"])
 def test_minimum_reaches_per_block_checkpoint(build):
     model, x, y, loss_fn, blocks = build()
     model.train()
@@ -105,9 +98,13 @@ def test_outputs_used_only_in_forward_are_not_cached():
     unit = next(u for u in fine.units if u.module == "blocks.1.token_mlp")
     last = len(unit.op_names) - 1  # the dropout's output, transposed and added to the residual stream
     assert last not in unit.forced_save and last not in unit.candidates
-    # the block-sized unit's output is the next block's input, saved by its LayerNorm: cached
+    # the block-sized unit's output (its residual add, which saves nothing) is the next block's input, saved by its
+    # LayerNorm, whose backward lets go of it before this block replays: the cache would only hold it longer (NOTE
+    # [Held outside until the replay] in regions.py), and the replay stops before it
     block = next(u for u in Planning(prof).selections[1].units if u.module == "blocks.1")
-    assert len(block.op_names) - 1 in block.forced_save
+    last = len(block.op_names) - 1
+    assert last not in block.forced_save and last not in block.candidates
+    assert block.instances[0].stop < block.instances[0].end
 
 
 def test_a_plan_records_its_granularity_and_steps_planned_anew_keep_it(tmp_path):

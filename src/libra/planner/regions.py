@@ -67,6 +67,24 @@ class Unit:
     plain_ok: bool = True  # may run under plain checkpoint (NOTE [Plain regions] in simulate.py)
 
 
+# NOTE [Held outside until the replay]: an output of a region that something after it holds into backward (the next
+# module's save of it, a U-Net's skip) is cached by the region, so that its replay does not make a second copy while
+# the first is held. Where every holder outside the region lets go before the region replays (the head's
+# convolution saves a U-Net decoder's output, and its backward runs first), there is no second copy to avoid: the
+# output is a candidate like any other, and recomputing it frees it when the head is done with it instead of when
+# the region's frame dies. The holders: saves made outside the region (until autograd releases them, else the
+# storage's eager free) and Python's own hold (``StorageRecord.held_op``, else the eager free).
+def _held_outside_until(profile: Profile, s: int, packs: list[int], inside: set[int]) -> int:
+    """The last op at which something outside a region holds storage ``s`` (NOTE [Held outside until the replay])."""
+    rec = profile.storages[s]
+    ends = [rec.held_op if rec.held_op >= 0 else rec.free_op]
+    for pi in packs:
+        if pi not in inside:
+            p = profile.packs[pi]
+            ends.append(p.released_op if p.released_op >= 0 else max(p.last_unpack, rec.free_op))
+    return max(ends)
+
+
 def _children(profile: Profile) -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
     for i, c in enumerate(profile.module_calls):
@@ -308,11 +326,13 @@ def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], di
             inst.bwd_end.append(bwd_end)
             if escapes or later_writes or written_after or not packed_here:
                 not_offloadable.add(local)
-            # held past the forward's end (saved outside, or alive into backward): a replay would make a second copy
+            # held past the forward's end (saved outside, or alive into backward): a replay would make a second copy,
+            # unless what holds it outside lets go before the replay runs (NOTE [Held outside until the replay])
             lives_on = packed_elsewhere or rec.free_op >= first_bwd
-            if escapes and lives_on and not later_writes and not written_after:
+            gone = lives_on and inst.t_r >= 0 and _held_outside_until(profile, s, pks, region_pack_set) < inst.t_r
+            if escapes and lives_on and not gone and not later_writes and not written_after:
                 forced.add(local)
-            elif packed_here and not escapes:
+            elif packed_here and (not escapes or (gone and not later_writes and not written_after)):
                 # kept, one changed later in the region costs a copy-on-write clone: the simulator counts it
                 candidate_bytes[local] = candidate_bytes.get(local, 0) + rec.nbytes
         names = [ops[i].name for i in range(a, b)]
