@@ -36,7 +36,8 @@ import threading
 
 import torch
 
-__all__ = ["AllocatorTap", "TAP", "MARKER", "END_MARKER", "WARM_MARKER", "peak_above_start", "per_marker_highs", "per_marker_extra"]
+__all__ = ["AllocatorTap", "TAP", "MARKER", "END_MARKER", "WARM_MARKER", "peak_above_start", "per_marker_highs",
+           "per_marker_extra"]
 
 log = logging.getLogger("libra")
 

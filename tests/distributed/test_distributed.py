@@ -155,10 +155,14 @@ def test_fsdp2_gpt_blocks_sharded(run):
 
 @needs_fsdp2
 def test_fsdp2_attention_sharded_inside_blocks(run):
-    """Sharded attention modules inside the blocks are regions themselves, recomputed between FSDP2's hooks."""
+    """Sharded attention modules inside the blocks are regions themselves, recomputed between FSDP2's hooks; the
+    blocks around them never are (their replay would run the attention's hooks again). Other small modules of a block
+    may be regions too (a LayerNorm whose output the next module's backward lets go of before it replays)."""
     results = run("fsdp_gpt_nested")
     for r in results:
-        assert all(m.endswith(".attn") for m in r["region_modules"]), r["region_modules"]
+        regions = r["region_modules"]
+        assert any(m.endswith(".attn") for m in regions), regions
+        assert not any(m == "" or m.split(".")[-1].isdigit() for m in regions), regions
     check("fsdp_gpt_nested", results, FSDP_COLLECTIVES)
 
 

@@ -182,8 +182,7 @@ class Simulator:
         # lives, and ``OpRecord.untracked_bytes`` is what of it is left when the op returns. A replay makes such
         # memory again (the module's own Python runs again) and it coexists with what was left before the replay
         # began: ``_replay`` keeps the latter, and counts in the replayed ops only what was not carried into the
-        # region from before it. Found by a random-DAG sweep: a plain-checkpointed block with ``mul_(0.5)`` ran 8 B
-        # over its prediction at the named minimum.
+        # region from before it.
         self._untracked = [o.untracked_bytes for o in profile.ops] + [0]
         self.op_time = np.concatenate([[0.0], np.cumsum([o.seconds for o in profile.ops])])  # start time of each op
         # holders of each storage in eager (NOTE [Who holds a storage])

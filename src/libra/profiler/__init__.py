@@ -227,7 +227,7 @@ class StepRecording:
             self._tap = None
             if len(att.markers) == n:
                 end = att.ends[0] if att.ends else None
-                # what op t's storages less those freed right after it: what is live when op t + 1 starts
+                # bytes of the storages that die right after op t: live[t] less them is what op t + 1 starts with
                 freed = [0] * (n + 1)
                 for st in recorder.storages:
                     if 0 <= st.free_op < n and st.free_op >= st.alloc_op:

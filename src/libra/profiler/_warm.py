@@ -2,14 +2,14 @@
 
 NOTE [First calls]: the first call of an op signature in a process pays one-time costs that later steps do not:
 oneDNN creates a convolution's primitive, cuDNN benchmarks algorithms, CUDA loads kernels. A profile of a process's
-first step took them for the step's own: on the test ResNet it timed the convolutions 2-6x their warm time and the
-eager step 2.2x, which made every plan's predicted step ratio 17-24% low (``bench/predicted_vs_measured.py``). So
-the recorder runs the first call of each signature once more before the timed one and drops its result, where that
-cannot change anything: an aten op with no declared or undeclared write (BatchNorm's running statistics), no
-generator, no collective, no Python value, and plain tensors only (a wrapper subclass's op may talk to other
-ranks). What that call allocates is not the step's (the allocator tap folds it into one event, NOTE [Allocator
-truth] in libra/_allocator.py). The signatures are remembered for the process: after a warm-up step, or in a
-second profile, each signature costs one untimed call the first time only.
+first step would take them for the step's own, and predict every plan's step ratio against an eager step later
+steps never see. So the recorder (and the timer of ``timing="safe"``, profiler/timed.py) runs the first call of
+each signature once more before the timed one and drops its result, where that cannot change anything: an aten op
+with no declared or undeclared write (BatchNorm's running statistics), no generator, no collective, no Python
+value, and plain tensors only (a wrapper subclass's op may talk to other ranks). What that call allocates is not
+the step's (the allocator tap folds it into one event, NOTE [Allocator truth] in libra/_allocator.py). The
+signatures are remembered for the process: after a warm-up step, or in a second profile, each signature costs one
+untimed call the first time only.
 """
 
 from __future__ import annotations

@@ -44,11 +44,6 @@ def allocated_bytes(nbytes: int, cuda: bool) -> int:
     return -(-nbytes // 512) * 512
 
 
-# NOTE [Undeclared writes] under fake tensors: there are no values to compare, so the ops known to update module
-# state that their schema does not declare are listed (STATEFUL_OPS: BatchNorm's running statistics, in each of its
-# kernels)
-
-
 class Recorder(TorchDispatchMode):
     """Dispatch mode + saved-tensor hooks + live-bytes meter over one step."""
 
@@ -252,7 +247,8 @@ class Recorder(TorchDispatchMode):
             t1 = time.perf_counter_ns()
         undeclared = []
         for name, t, before, sid in watched:
-            if self.fake:  # no values to compare: the ops known to write module state without saying so
+            if self.fake:  # NOTE [Undeclared writes] under fake tensors: no values to compare, so the ops known to
+                # update module state their schema does not declare (STATEFUL_OPS: BatchNorm's running statistics)
                 changed = name in STATEFUL_OPS.get(info.name, ())
             else:
                 changed = not torch.equal(t, before)
