@@ -503,7 +503,8 @@ class Simulator:
         out = []
         for k, s in enumerate(inst.sids):
             if inst.packed[k] and not inst.escapes[k]:
-                out.append((s, self._alloc[s], inst.t_r, self._released(s, inst.bwd_end[k], inst.t_r)))
+                own = [pi for pi in self.packs_of.get(s, ()) if self.pack_owner.get(pi) == (ui, ii)]
+                out.append((s, self._alloc[s], inst.t_r, self._released(s, inst.bwd_end[k], inst.t_r, own)))
         if offload_inputs:
             for s, own in self.own_input_packs(ui, ii).items():
                 if s not in shared:
@@ -514,11 +515,16 @@ class Simulator:
         """(op the copy out starts at, the first unpack, end of the copy back) of storage ``s`` saved by ``packs``,
         first unpacked at ``t_r``."""
         last = max(self.profile.packs[pi].last_unpack for pi in packs)
-        return min(self.profile.packs[pi].pack_op for pi in packs), t_r, self._released(s, last, t_r)
+        return min(self.profile.packs[pi].pack_op for pi in packs), t_r, self._released(s, last, t_r, packs)
 
-    def _released(self, s: int, last: int, t_r: int) -> int:
-        """When autograd lets go of storage ``s``, saved until op ``last`` and first unpacked at ``t_r``: eager's free
-        where that comes in backward (NOTE [Release after unpack]), else ``last``."""
+    def _released(self, s: int, last: int, t_r: int, packs) -> int:
+        """When autograd lets go of what ``packs`` saved of storage ``s`` (a hooked call's copy back lives as long):
+        the last of their releases, which the profiler records (NOTE [Release after unpack] in regions.py). Profiles
+        made by hand have none: there eager's free stands in where that comes in backward, else the last unpack,
+        ``last`` (``t_r``: the first)."""
+        released = [self.profile.packs[pi].released_op for pi in packs]
+        if released and min(released) >= 0:
+            return max(released)
         return max(last, self._free[s]) if self._free[s] >= t_r else last
 
     def _offload_span(self, s: int, start: int, t_r: int, end: int, prefetch: int, touched: dict, holders: dict,
