@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import libra
 from libra._allocator import _folded
 from libra._ops import op_info
 from libra.profiler._warm import warm_first_call
@@ -84,3 +85,13 @@ def test_a_first_step_profile_times_convolutions_like_a_later_one(kind):
         if ratios[-1] < 1.6:
             return
     raise AssertionError(f"first-profile convolution time over a later profile's ({kind}): {ratios}")
+
+
+def test_a_sparse_gradient_profiles():
+    # a sparse tensor has no strides to key a signature on: its ops are never run twice
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 16, sparse=True), torch.nn.Linear(16, 4))
+    x = torch.randint(0, 100, (8, 5))
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.ones(2), (3,), check_invariants=True)
+    assert _warm(torch.ops.aten.add.Tensor, sparse, sparse) == []
+    prof = libra.profile(model, lambda: model(x).sum().backward())
+    assert model[0].weight.grad.layout == torch.sparse_coo and prof.ops

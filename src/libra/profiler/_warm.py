@@ -6,8 +6,8 @@ first step would take them for the step's own, and predict every plan's step rat
 steps never see. So the recorder (and the timer of ``timing="safe"``, profiler/timed.py) runs the first call of
 each signature once more before the timed one and drops its result, where that cannot change anything: an aten op
 with no declared or undeclared write (BatchNorm's running statistics), no generator, no collective, no Python
-value, and plain tensors only (a wrapper subclass's op may talk to other ranks). What that call allocates is not
-the step's (the allocator tap folds it into one event, NOTE [Allocator truth] in libra/_allocator.py). The
+value, and plain strided tensors only (a wrapper subclass's op may talk to other ranks). What that call allocates
+is not the step's (the allocator tap folds it into one event, NOTE [Allocator truth] in libra/_allocator.py). The
 signatures are remembered for the process: after a warm-up step, or in a second profile, each signature costs one
 untimed call the first time only.
 """
@@ -43,8 +43,9 @@ def warm_first_call(func, info: OpInfo, args, kwargs, marked: bool) -> None:
     if (info.write_args or info.random or info.collective or info.python_value or info.name in STATEFUL_OPS
             or getattr(func, "namespace", "") != "aten"):
         return
-    if any(isinstance(t, torch.Tensor) and type(t) not in _PLAIN for t in tree_leaves((args, kwargs))):
-        return
+    if any(isinstance(t, torch.Tensor) and (type(t) not in _PLAIN or t.layout != torch.strided)
+           for t in tree_leaves((args, kwargs))):
+        return  # a subclass's op may talk to other ranks; a sparse or nested tensor has no strides to key on
     key = (func, repr(tree_map(_spec, tuple(args))), repr(sorted(tree_map(_spec, dict(kwargs)).items())))
     if key in _WARMED:
         return
