@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["OpInfo", "op_info", "arg_values", "tensors_in", "storage_key", "plain_tensors", "input_signature",
-           "kv_cache_args", "model_signature", "UNCOUNTED"]
+__all__ = ["OpInfo", "op_info", "STATEFUL_OPS", "arg_values", "tensors_in", "storage_key", "plain_tensors",
+           "input_signature", "kv_cache_args", "model_signature", "UNCOUNTED"]
 
 # NOTE [Uncounted ops]: checkpoint's own saved-tensor hook detaches every tensor it saves during a replay, so the
 # replay dispatches detach ops the forward never did. detach allocates nothing and is never worth saving: the
@@ -26,6 +26,14 @@ class OpInfo:
     collective: bool
     python_value: bool  # returns something other than tensors (a number, a bool): Python may read it
 
+
+# ops that update module state (BatchNorm's running statistics) without their schema saying so
+STATEFUL_OPS: dict[str, tuple[str, ...]] = {
+    name: ("running_mean", "running_var")
+    for name in ("aten.native_batch_norm.default", "aten._native_batch_norm_legit.default",
+                 "aten.cudnn_batch_norm.default", "aten.miopen_batch_norm.default",
+                 "aten._batch_norm_with_update.default", "aten.batch_norm_update_stats.default")
+}
 
 _CACHE: dict[object, OpInfo] = {}
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")

@@ -489,10 +489,14 @@ class Simulator:
         if out is None:
             out = self._own_inputs[(ui, ii)] = {}
             for s in self.units[ui].instances[ii].external_inputs:
-                own = [pi for pi in self.packs_of.get(s, ()) if self.pack_owner.get(pi) == (ui, ii)]
+                own = self._packs_made_by(s, ui, ii)
                 if own:
                     out[s] = own
         return out
+
+    def _packs_made_by(self, s: int, ui: int, ii: int) -> list[int]:
+        """The packs of storage ``s`` that instance ``ii`` of unit ``ui`` makes."""
+        return [pi for pi in self.packs_of.get(s, ()) if self.pack_owner.get(pi) == (ui, ii)]
 
     def _hooked_copies(self, ui: int, ii: int, shared=(), offload_inputs: bool = False):
         """(storage, op its copy out starts at, the call's first unpack, end of the copy back) of what one hooked
@@ -503,7 +507,7 @@ class Simulator:
         out = []
         for k, s in enumerate(inst.sids):
             if inst.packed[k] and not inst.escapes[k]:
-                own = [pi for pi in self.packs_of.get(s, ()) if self.pack_owner.get(pi) == (ui, ii)]
+                own = self._packs_made_by(s, ui, ii)
                 out.append((s, self._alloc[s], inst.t_r, self._released(s, inst.bwd_end[k], inst.t_r, own)))
         if offload_inputs:
             for s, own in self.own_input_packs(ui, ii).items():

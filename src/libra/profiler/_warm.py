@@ -17,21 +17,13 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 from libra._allocator import WARM_MARKER
-from libra._ops import OpInfo
-from libra.profiler.fake import _spec
+from libra._ops import STATEFUL_OPS, OpInfo
+from libra.profiler.fake import signature, specs
 
-__all__ = ["warm_first_call", "STATEFUL_OPS"]
-
-# ops that update module state (BatchNorm's running statistics) without their schema saying so
-STATEFUL_OPS: dict[str, tuple[str, ...]] = {
-    name: ("running_mean", "running_var")
-    for name in ("aten.native_batch_norm.default", "aten._native_batch_norm_legit.default",
-                 "aten.cudnn_batch_norm.default", "aten.miopen_batch_norm.default",
-                 "aten._batch_norm_with_update.default", "aten.batch_norm_update_stats.default")
-}
+__all__ = ["warm_first_call"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _WARMED: set[tuple] = set()
@@ -46,7 +38,7 @@ def warm_first_call(func, info: OpInfo, args, kwargs, marked: bool) -> None:
     if any(isinstance(t, torch.Tensor) and (type(t) not in _PLAIN or t.layout != torch.strided)
            for t in tree_leaves((args, kwargs))):
         return  # a subclass's op may talk to other ranks; a sparse or nested tensor has no strides to key on
-    key = (func, repr(tree_map(_spec, tuple(args))), repr(sorted(tree_map(_spec, dict(kwargs)).items())))
+    key = signature(func, *specs(args, kwargs))
     if key in _WARMED:
         return
     _WARMED.add(key)

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_map
 from libra._allocator import MARKER, TAP, per_marker_extra
 from libra.errors import LibraError
 
-__all__ = ["FakeStep", "OpCall", "benchmark_ops", "estimate_ops", "device_rates"]
+__all__ = ["FakeStep", "OpCall", "benchmark_ops", "estimate_ops", "device_rates", "signature", "specs"]
 
 log = logging.getLogger("libra")
 
@@ -122,9 +122,8 @@ class OpCall:
     def __init__(self, func, args, kwargs, out=None) -> None:
         """``out``: the op's outputs, given only when op times will be estimated (else flops and bytes stay 0)."""
         self.func = func
-        self.args = tree_map(_spec, tuple(args))
-        self.kwargs = tree_map(_spec, dict(kwargs))
-        self.key = (str(func), repr(self.args), repr(sorted(self.kwargs.items())))
+        self.args, self.kwargs = specs(args, kwargs)
+        self.key = signature(func, self.args, self.kwargs)
         self.flops = self.nbytes = 0
         if out is not None:
             self.flops = _flops(func, args, kwargs, out)
@@ -173,6 +172,17 @@ def _spec(v):
     if isinstance(v, torch.Generator):
         return None
     return v
+
+
+def signature(func, args: tuple, kwargs: dict) -> tuple:
+    """The key of an op call whose arguments went through ``_spec``: the op, each tensor's layout, every other
+    argument as it is. Calls with one key run the same kernel on the same shapes."""
+    return (str(func), repr(args), repr(sorted(kwargs.items())))
+
+
+def specs(args, kwargs) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with each tensor replaced by its layout (what ``signature`` keys on)."""
+    return tree_map(_spec, tuple(args)), tree_map(_spec, dict(kwargs))
 
 
 def _make(v, device):

@@ -25,10 +25,10 @@ from torch.utils._pytree import tree_leaves
 
 from libra._allocator import MARKER
 from libra._forward import ForwardSwaps
-from libra._ops import (UNCOUNTED, arg_values, input_signature, kv_cache_args, op_info, plain_tensors, storage_key,
-                        tensors_in)
+from libra._ops import (STATEFUL_OPS, UNCOUNTED, arg_values, input_signature, kv_cache_args, op_info, plain_tensors,
+                        storage_key, tensors_in)
 from libra.errors import LibraError
-from libra.profiler._warm import STATEFUL_OPS, warm_first_call
+from libra.profiler._warm import warm_first_call
 from libra.profiler.fake import OpCall
 from libra.profiler.types import ModuleCall, OpRecord, PackRecord, StorageRecord
 
