@@ -47,24 +47,29 @@ def test_default_solver_within_1_percent_of_milp(case, share, bandwidth):
     # hooked blocks each cheap alone that together kept the host link busier than the step (NOTE [Prefetch]).
     planning = Planning(_steady_times(case.profile), bandwidth)
     prof = planning.profile
-    solved = 0
+    solved = unreachable = 0
     misses = []
+    # "min": the named minimum, the lowest peak of every selection's plans (the default's plan there was the
+    # lowest-peak plan as found, 1.27x eager on the bench GPT with offload where the exact one is 1.11x)
+    budget = planning.min_budget_bytes() if share == "min" else prof.budget_for_share(share)
+    target = planning.target_bytes(budget)
     for sel in planning.selections:  # each region granularity (NOTE [Region granularity])
-        # "min": the lowest peak both solvers start their search from, every candidate evicted
-        target = sel.full.peak_bytes if share == "min" else planning.target_bytes(prof.budget_for_share(share))
-        state = planning._solve_in(sel, target, target, "greedy", 60.0)
-        choice = milp.solve(sel.problem, target)
-        if sel.full.peak_bytes > target:
-            assert choice is None
+        state = planning._solve_in(sel, budget, target, "greedy", 60.0)
+        if state is None:  # this selection's plans do not reach the named minimum; a finer one's do
+            assert share == "min" and planning._lowest_of(sel)[1].peak_bytes > target
             continue
-        assert state is not None and choice is not None
+        choice = milp.solve(sel.problem, target)
+        if choice is None:  # the lowest peak needs a plan out of the options' reach (NOTE [Options per unit])
+            assert share == "min"
+            unreachable += 1
+            continue
         rg, rm = sel.sim.run(state), sel.sim.run(sel.problem.state(choice))
         assert rg.peak_bytes <= target and rm.peak_bytes <= target
         known = _KNOWN_MISSES.get((case.name, bandwidth))
         if rg.added_seconds > (1.01 if known is None else known[0]) * rm.added_seconds + 1e-12:
             misses.append((sel.granularity, rg.added_seconds, rm.added_seconds))
         solved += 1
-    assert solved
+    assert solved or unreachable  # (the test ResNet with offload at its minimum: no option plan reaches it)
     assert not misses, misses
 
 
@@ -74,8 +79,8 @@ def test_default_solver_within_1_percent_of_milp(case, share, bandwidth):
 # the same test passed or missed depending on the tests run before it.
 _KNOWN_MISSES = {
     ("resnet", 2e9): (1.25, "with offload the option family keeps more hooked bottlenecks than fit the host link "
-                            "beside the step, up to 20% above the exact plan at 75% / 50% / the minimum (measured "
-                            "2026-12-06); trim switches one unit at a time and the cheaper mix needs two"),
+                            "beside the step, 14-16% above the exact plan's added time at 75% and 50% (measured "
+                            "2026-12-07); trim switches one unit at a time and the cheaper mix needs two"),
 }
 
 
@@ -107,3 +112,28 @@ def test_a_larger_budget_is_never_slower(case, bandwidth):
         if previous is not None:
             assert plan.predicted_step_seconds <= previous
         previous = plan.predicted_step_seconds
+
+
+@pytest.mark.parametrize("bandwidth", [None, 2e9, 1e10], ids=["recompute", "offload-2GB/s", "offload-10GB/s"])
+def test_no_unit_of_the_minimum_plan_has_a_cheaper_option_at_its_peak(case, bandwidth):
+    # The plan at the named minimum is the lowest peak the searches found; each unit then takes its cheapest option
+    # that keeps that peak (Selection._cheapest_at). Checked here by the simulator alone, one unit at a time, over
+    # every option of the unit and none: on the bench GPT with a 2 GB/s link the plan as found hooked every block
+    # with its copies back at the first unpack, 1.27x eager, where copies back at the prefetch trigger for half
+    # the blocks give the same peak at 1.11x.
+    planning = Planning(_steady_times(case.profile), bandwidth)
+    sel = planning.lowest
+    state, got = planning._lowest_of(sel)
+    problem = sel.problem
+    if problem.choice_of(state) is None:
+        pytest.skip("the minimum plan has an entry outside the options (a front keep-set): no trim applies")
+    cheaper = []
+    for ui in state:
+        for o in [None, *problem.of_unit[ui]]:
+            trial = {u: e for u, e in state.items() if u != ui}
+            if o is not None:
+                trial[ui] = problem.options[o].entry()
+            r = sel.sim.run(trial)
+            if r.peak_bytes <= got.peak_bytes and r.added_seconds < got.added_seconds * (1 - 1e-9) - 1e-12:
+                cheaper.append((ui, o, r.added_seconds, got.added_seconds))
+    assert not cheaper, cheaper

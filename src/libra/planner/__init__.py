@@ -113,7 +113,8 @@ class Selection:
         is faster at the same peak, NOTE [Plain regions]; hooked where that lowers the peak, NOTE [Hooked regions]),
         or, with both mechanisms, the same from offloading's own full state where that ends lower; then the greedy
         asked for one byte less while it finds a plan (keeping some activations can lower the peak: a kept one
-        spares a replay at the peak's moment)."""
+        spares a replay at the peak's moment); last, each unit takes its cheapest option at that peak
+        (:meth:`_cheapest_at`): the searches look for the lowest peak, not the cheapest plan that has it."""
         if self._minimum is None:
             starts = [(self.lowest_state, greedy.RECOMPUTE in self.kinds)]  # a plain region recomputes everything
             if greedy.OFFLOAD in self.kinds and len(self.kinds) > 1:
@@ -135,8 +136,27 @@ class Selection:
                 if lower is None:
                     break
                 state, got = lower, self.sim.run(lower)
-            self._minimum = (state, got)
+            self._minimum = self._cheapest_at(state, got)
         return self._minimum
+
+    def _cheapest_at(self, state: State, got: SimResult) -> tuple[State, SimResult]:
+        """``state`` with each unit moved to its cheapest option that keeps the simulated peak at ``got``'s (the
+        option family's trim, repeated while it gains); ``state`` itself where one of its entries is no option, and
+        in selections too large for the option family, whose options are not measured."""
+        if len(self.units) > FAMILY_MAX_UNITS:
+            return state, got
+        problem = self.problem
+        for _ in range(_MINIMUM_ROUNDS):
+            choice = problem.choice_of(state)
+            if choice is None:
+                break
+            live, _ = self.sim.live(state)
+            trimmed = problem.state(options.trim(problem, got.peak_bytes, choice, live)[0])
+            after = self.sim.run(trimmed)
+            if after.peak_bytes > got.peak_bytes or after.added_seconds >= got.added_seconds:
+                break
+            state, got = trimmed, after
+        return state, got
 
     @property
     def effects(self) -> greedy.Effects:
