@@ -79,7 +79,7 @@ def test_default_solver_within_1_percent_of_milp(case, share, bandwidth):
 # the same test passed or missed depending on the tests run before it.
 _KNOWN_MISSES = {
     ("resnet", 2e9): (1.25, "with offload the option family keeps more hooked bottlenecks than fit the host link "
-                            "beside the step, 14-16% above the exact plan's added time at 75% and 50% (measured "
+                            "beside the step, 16% above the exact plan's added time at 75%, 3% at 50% (measured "
                             "2026-12-07); trim switches one unit at a time and the cheaper mix needs two"),
 }
 
@@ -137,3 +137,26 @@ def test_no_unit_of_the_minimum_plan_has_a_cheaper_option_at_its_peak(case, band
             if r.peak_bytes <= got.peak_bytes and r.added_seconds < got.added_seconds * (1 - 1e-9) - 1e-12:
                 cheaper.append((ui, o, r.added_seconds, got.added_seconds))
     assert not cheaper, cheaper
+
+
+@pytest.mark.parametrize("bandwidth", [None, 2e9], ids=["recompute", "offload-2GB/s"])
+def test_no_single_option_alone_is_cheaper_than_the_plan(case, bandwidth):
+    # A plan of one unit under one option is in the family where no other lone option beats it on both peak and
+    # cost (NOTE [Option family]); checked here against every option of every unit, each simulated alone. The
+    # growth rule ranks bytes per second, so before, a unit that fits alone at a lower rate was never chosen (the
+    # bench U-Net at 90%: two blocks at 1.49x eager where its input block alone fits at 1.22x).
+    planning = Planning(_steady_times(case.profile), bandwidth)
+    prof = planning.profile
+    for share in (0.9, 0.75, 0.5):
+        budget = max(planning.min_budget_bytes(), prof.budget_for_share(share))
+        plan = libra.plan(planning, budget)
+        added = plan.predicted_step_seconds - prof.eager_step_seconds
+        target = planning.target_bytes(budget)
+        cheaper = []
+        for sel in planning.selections:
+            problem = sel.problem
+            for o, opt in enumerate(problem.options):
+                r = sel.sim.run({int(problem.unit_of[o]): opt.entry()})
+                if r.peak_bytes <= target and r.added_seconds < added * (1 - 1e-9) - 1e-12:
+                    cheaper.append((share, sel.granularity, o, r.added_seconds, added))
+        assert not cheaper, cheaper[:5]

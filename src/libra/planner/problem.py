@@ -8,9 +8,11 @@ is one way to run the unit's calls:
   candidates gets every set of candidates to evict; a larger one gets the prefixes and the suffixes of a few
   orderings of its candidates (most bytes per second of replay first, most bytes first, last in forward first), so
   its list grows linearly, not exponentially (a suffix keeps only the best few: the plans that keep one or two of
-  eight candidates, which the move-level greedy finds on measured op times). Where offloading is allowed, each
-  eviction set comes twice more: offloading what may be offloaded and recomputing the rest, and (when recompute is
-  not allowed) offloading alone.
+  eight candidates, which the move-level greedy finds on measured op times), and the prefixes of the order a
+  greedy alone on eager's curve evicts them in (most bytes freed at the peak per second first: which candidates
+  free bytes at the peak depends on when it falls in the unit's replay, which no order of the unit's own figures
+  knows). Where offloading is allowed, each eviction set comes twice more: offloading what may be offloaded and
+  recomputing the rest, and (when recompute is not allowed) offloading alone.
 - ``Mode.PLAIN``: plain ``torch.utils.checkpoint`` (NOTE [Plain regions] in ``simulate.py``), where allowed.
 - ``Mode.HOOKED``: saved-tensor hooks that offload what the call saves (NOTE [Hooked regions]), where allowed.
 - Every option that offloads comes twice where the unit has a prefetch trigger: its copies back at its own first
@@ -76,6 +78,42 @@ class Option:
 Choice = dict[int, int]  # unit index -> option index (into Problem.options)
 
 
+def _dense(pos: np.ndarray, val: np.ndarray, n: int) -> np.ndarray:
+    delta = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(delta, np.minimum(pos, n), val)
+    return np.cumsum(delta)[:n]
+
+
+def _at_the_peak(sim: Simulator, ui: int, eager: np.ndarray) -> list[int]:
+    """The unit's candidates in the order a greedy alone on eager's curve evicts them: each time the one that frees
+    the most bytes at the current peak per second it adds (each eviction measured alone, added up), then the rest
+    by bytes per second. Eviction sets a unit's own byte or op-time orders miss: which candidate frees bytes at the
+    peak depends on when the peak falls in its replay."""
+    cands = sorted(sim.units[ui].candidates)
+    n = len(eager)
+    everything = frozenset(cands)
+    p, v, terms = sim.changes_and_terms({ui: everything})
+    base, base_s = _dense(p, v, n), sim.added_seconds(terms)
+    curve = eager + base
+    effect, secs = {}, {}
+    for j in cands:
+        p, v, terms = sim.changes_and_terms({ui: everything - {j}})
+        effect[j] = _dense(p, v, n) - base
+        secs[j] = max(sim.added_seconds(terms) - base_s, 1e-12)
+    order, left = [], set(cands)
+    while left:
+        t = int(np.argmax(curve))
+        freed = {j: -int(effect[j][t]) for j in left}
+        best = max(left, key=lambda j: (freed[j] / secs[j], -j))
+        if freed[best] <= 0:
+            break
+        order.append(best)
+        left.discard(best)
+        curve = curve + effect[best]
+    size = sim.units[ui].candidate_bytes
+    return order + sorted(left, key=lambda j: (-size.get(j, 0) / secs[j], j))
+
+
 def _orderings(sim: Simulator, ui: int) -> list[list[int]]:
     """A few orders to evict a large unit's candidates in (NOTE [Options per unit])."""
     unit = sim.units[ui]
@@ -88,7 +126,7 @@ def _orderings(sim: Simulator, ui: int) -> list[list[int]]:
     return [by_rate, by_bytes, latest]
 
 
-def _eviction_sets(sim: Simulator, ui: int) -> list[frozenset[int]]:
+def _eviction_sets(sim: Simulator, ui: int, eager: np.ndarray) -> list[frozenset[int]]:
     cands = list(sim.units[ui].candidates)
     if len(cands) <= EXHAUSTIVE_CANDIDATES:
         return [frozenset(c) for r in range(1, len(cands) + 1) for c in itertools.combinations(cands, r)]
@@ -97,15 +135,19 @@ def _eviction_sets(sim: Simulator, ui: int) -> list[frozenset[int]]:
         for i in range(1, len(order) + 1):
             out.setdefault(frozenset(order[:i]), None)  # evict the first i
             out.setdefault(frozenset(order[-i:]), None)  # keep only the first len - i
+    order = _at_the_peak(sim, ui, eager)  # its suffixes would keep what frees the most at the peak
+    for i in range(1, len(order) + 1):
+        out.setdefault(frozenset(order[:i]), None)
     return list(out)
 
 
-def unit_options(sim: Simulator, ui: int, kinds: tuple[str, ...]) -> list[Option]:
-    """Every option of unit ``ui`` with the mechanisms ``kinds`` (NOTE [Options per unit])."""
+def unit_options(sim: Simulator, ui: int, kinds: tuple[str, ...], eager: np.ndarray) -> list[Option]:
+    """Every option of unit ``ui`` with the mechanisms ``kinds`` (NOTE [Options per unit]); ``eager`` is eager's
+    live-bytes curve."""
     unit = sim.units[ui]
     cands = frozenset(unit.candidates)
     out: dict[Option, None] = {}
-    for evict in _eviction_sets(sim, ui):
+    for evict in _eviction_sets(sim, ui, eager):
         keep = cands - evict
         if RECOMPUTE in kinds:
             out.setdefault(Option(Mode.MODES, keep), None)
@@ -143,7 +185,7 @@ class Problem:
         self.of_unit: list[list[int]] = []
         for ui in range(len(sim.units)):
             mine = []
-            for opt in unit_options(sim, ui, self.kinds):
+            for opt in unit_options(sim, ui, self.kinds, self.eager):
                 p, v, seconds = sim.changes_and_terms({ui: opt.entry()})
                 p, v = merged(p, v)
                 mine.append(len(self.options))
@@ -166,6 +208,7 @@ class Problem:
         self._owner = np.repeat(np.arange(len(self.options)), np.diff(self.ptr))
         self._points = [(self.pos[a:b].tolist(), self.val[a:b].tolist()) for a, b in zip(ptr[:-1], ptr[1:])]
         self._spans: dict[int, tuple[int, np.ndarray]] = {}
+        self._at: dict[int, np.ndarray] = {}
 
     @property
     def n_units(self) -> int:
@@ -190,9 +233,14 @@ class Problem:
         return self._spans[o]
 
     def values_at(self, t: int) -> np.ndarray:
-        """Every option's effect on the live bytes after op ``t``."""
-        mask = self.pos <= t
-        return np.bincount(self._owner[mask], weights=self.val[mask], minlength=len(self.options)).astype(np.int64)
+        """Every option's effect on the live bytes after op ``t`` (remembered: the solvers' peaks fall on few ops)."""
+        got = self._at.get(t)
+        if got is None:
+            mask = self.pos <= t
+            got = np.bincount(self._owner[mask], weights=self.val[mask], minlength=len(self.options)).astype(np.int64)
+            got.flags.writeable = False
+            self._at[t] = got
+        return got
 
     def dense(self) -> np.ndarray:
         """Every option's effect at every op, ``(n_t, options)`` (for the exact solver)."""

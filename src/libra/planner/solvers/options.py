@@ -3,9 +3,9 @@ in the budget by choosing from a budget-independent family (NOTE [Option family]
 
 Growth: at the estimated peak, one unit switches to the option that frees the most bytes there per second it adds
 (one that frees bytes there for no added time first); repeat. The estimate is eager's curve plus the chosen
-options' effects, kept in a :class:`~libra.planner.solvers.effects.PeakTree`. Trim: each unit of a fitting plan,
-the costliest first, drops to its cheapest option (or none) the estimate still fits; the simulator checks, and where
-it disagrees the longest prefix of the drops it accepts is kept.
+options' effects, kept dense (:class:`Curve`). Trim: each unit of a fitting plan, the costliest first, drops to its
+cheapest option (or none) the estimate still fits; the simulator checks, and where it disagrees the longest prefix
+of the drops it accepts is kept.
 
 NOTE [Option family]: a larger budget must never give a slower plan (NOTE [Monotone in the budget] in
 ``front.py``), so the plan for ``b`` is the cheapest member, by simulated added seconds, of a family that does not
@@ -18,22 +18,29 @@ depend on ``b`` whose simulated peak fits ``b``. The family:
   ``PATH_PLANS`` more evenly spaced;
 - the growth to each of ``RUNGS`` budgets evenly spaced from the path's lowest simulated peak to eager's (with
   the simulator's corrections where units interact), trimmed at that budget: these reach budgets between the
-  path's plans. One growth goes down the rungs, each going on from the last one's untrimmed plan.
+  path's plans. One growth goes down the rungs, each going on from the last one's untrimmed plan;
+- each option alone where no other option alone has both a lower peak and a lower cost: the growth rule ranks bytes
+  freed per second, so a unit that frees enough alone at a lower rate is never on the path, which takes two units
+  of better rates instead;
+- the gaps: a budget between two members the rule can choose (by peak, each cheaper than every one below it) gets
+  the lower one, however close the upper one's peak. So each such member is grown to fit one byte under its own
+  peak, from its own options, and trimmed there; ``FILL_ROUNDS`` passes while they add members.
 
 The planner takes the cheaper of this family's plan and the move-level front's (``front.py``), both chosen by the
-same rule, so the result stays monotone. Neither alone is enough (``bench/planner_family.py``): in the steady-time
-setup of the tests the front adds a third half-used block where two whole ones fit (the test GPT at 75%: x1.833
-against the family's x1.556, which is the option MILP's), and on measured op times the front's single-move plans (a
-unit keeping one of eight candidates) are out of the options' reach (the bench Mixer at 50%: x1.271 against
-x1.310). Each of the front's own mechanisms (detours, exchanges, polish, plain variants) still gives the cheapest
-plan somewhere on the bench and test profiles, so none was removed.
+same rule, so the result stays monotone. Neither alone is enough (``bench/planner_family.py`` measures each): the
+front's chains trade a unit for more evictions in two others, which growth and trim, one unit at a time, do not, and
+its single moves reach keep-sets no option ordering lists; the family has two whole units where the front adds a
+third half-used one, units that fit alone, and the plans with offload. Selections of more than
+``FAMILY_MAX_UNITS`` units plan with the front alone.
 
 The growth path cannot cycle: a unit only moves to an option that frees more bytes at the current peak than its
 current one, and each option is taken at most once on the path, so it has at most as many steps as options.
 
-NOTE [Option family cost]: a growth step costs O(points of all options) to rank every option at the peak; the family
-runs the simulator once per path plan and rung plus O(log k) times per trim of a k-unit plan. Members are built
-once per selection and shared by every budget.
+NOTE [Option family cost]: a growth step costs O(options) to rank every option at the peak (each option's effect
+there is remembered per op, and the peaks fall on few ops) plus O(ops) to move the dense estimate; the family runs
+the simulator once per member and O(log k) more times per trim of a k-unit plan, and the gap fills add at most
+``FILL_ROUNDS`` growths per member the rule can choose. Members are built once per selection and shared by every
+budget.
 """
 
 from __future__ import annotations
@@ -42,41 +49,63 @@ import numpy as np
 
 from libra.planner.problem import Choice, Problem
 from libra.planner.simulate import State
-from libra.planner.solvers.effects import PeakTree, longest_prefix
+from libra.planner.solvers.effects import longest_prefix
 
 __all__ = ["Family", "grow", "path", "trim", "RUNGS", "PATH_PLANS"]
 
 RUNGS = 16
 PATH_PLANS = 24  # a longer growth path has its first plans and this many more, evenly spaced, in the family
+FILL_ROUNDS = 4  # passes over the gaps between members (NOTE [Option family])
 _VERIFY_ROUNDS = 16
+_LOWEST = -(2**62)
 
 
-def _switch(problem: Problem, tree: PeakTree, choice: Choice, ui: int, o: int | None) -> None:
-    """Unit ``ui`` takes option ``o`` (None: it is not checkpointed), on ``tree`` and in ``choice``."""
+class Curve:
+    """An estimated live-bytes curve (eager's plus options' effects), dense: an option's switch adds its dense
+    effect (``Problem.span``), and the peak is one ``argmax`` (a few microseconds for thousands of ops, less than
+    walking a tree per point of an option's effect)."""
+
+    def __init__(self, problem: Problem, curve: np.ndarray) -> None:
+        self.problem = problem
+        self.values = np.array(curve[: problem.n_t], dtype=np.int64)
+
+    def peak(self) -> tuple[int, int]:
+        """(largest value, first op where it is reached)."""
+        t = int(np.argmax(self.values))
+        return int(self.values[t]), t
+
+    def add(self, o: int, sign: int = 1) -> None:
+        lo, eff = self.problem.span(o)
+        self.values[lo: lo + eff.size] += sign * eff
+
+
+def _switch(problem: Problem, curve: Curve, choice: Choice, ui: int, o: int | None) -> None:
+    """Unit ``ui`` takes option ``o`` (None: it is not checkpointed), on ``curve`` and in ``choice``."""
     old = choice.get(ui)
     if old is not None:
-        tree.add_points(*problem.points(old), sign=-1)
+        curve.add(old, -1)
         del choice[ui]
     if o is not None:
-        tree.add_points(*problem.points(o), sign=1)
+        curve.add(o, 1)
         choice[ui] = o
 
 
-def _added(problem: Problem, unit_terms: np.ndarray) -> np.ndarray:
-    """What switching to each option adds to the plan's simulated seconds, from the units' current ``(base,
-    exposed, lane)`` terms (``Problem.terms``): they add up over units but the busy link is one for all, so an
-    offload that is free alone can cost once the link is full."""
+def _added(problem: Problem, unit_terms: np.ndarray, which=None) -> np.ndarray:
+    """What switching to each option (or to each of ``which``) adds to the plan's simulated seconds, from the
+    units' current ``(base, exposed, lane)`` terms (``Problem.terms``): they add up over units but the busy link is
+    one for all, so an offload that is free alone can cost once the link is full."""
     totals = unit_terms.sum(axis=0)
-    after = totals + problem.terms - unit_terms[problem.unit_of]
+    which = slice(None) if which is None else which
+    after = totals + problem.terms[which] - unit_terms[problem.unit_of[which]]
     return problem.sim.added_seconds(after.T) - problem.sim.added_seconds(totals)
 
 
-def _best_switch(problem: Problem, tree: PeakTree, current: np.ndarray, unit_terms: np.ndarray,
+def _best_switch(problem: Problem, curve: Curve, current: np.ndarray, unit_terms: np.ndarray,
                  over: int | None, used: np.ndarray | None) -> int | None:
     """The option to switch to at the estimated peak (None when none frees bytes there): the most bytes freed per
     second added, one that adds no time first; bytes beyond ``over`` (what the peak is above the budget) count as
     ``over``."""
-    _, t = tree.peak()
+    _, t = curve.peak()
     vals = problem.values_at(t)
     now = np.where(current >= 0, vals[np.maximum(current, 0)], 0)
     red = now[problem.unit_of] - vals
@@ -103,39 +132,38 @@ def _arrays(problem: Problem, choice: Choice) -> tuple[np.ndarray, np.ndarray]:
     return current, unit_terms
 
 
-def _growth(problem: Problem, choice: Choice, tree: PeakTree, budget: int | None = None):
-    """Switches units, one per step, to the best option at the estimated peak (``choice`` and ``tree`` change in
+def _growth(problem: Problem, choice: Choice, curve: Curve, budget: int | None = None):
+    """Switches units, one per step, to the best option at the estimated peak (``choice`` and ``curve`` change in
     place), yielding after each; ends when no option frees bytes at the peak, or when the peak fits ``budget``.
     Each option is taken at most once."""
     current, unit_terms = _arrays(problem, choice)
     used = np.zeros(len(problem.options), dtype=bool)
     used[current[current >= 0]] = True
     while True:
-        peak, _ = tree.peak()
+        peak, _ = curve.peak()
         if budget is not None and peak <= budget:
             return
-        o = _best_switch(problem, tree, current, unit_terms, None if budget is None else peak - budget, used)
+        o = _best_switch(problem, curve, current, unit_terms, None if budget is None else peak - budget, used)
         if o is None:
             return
         ui = int(problem.unit_of[o])
-        _switch(problem, tree, choice, ui, o)
-        tree.forget()
+        _switch(problem, curve, choice, ui, o)
         current[ui], unit_terms[ui], used[o] = o, problem.terms[o], True
         yield
 
 
-def grow(problem: Problem, budget: int, choice: Choice, tree: PeakTree) -> bool:
+def grow(problem: Problem, budget: int, choice: Choice, curve: Curve) -> bool:
     """Grows ``choice`` until its estimate fits ``budget``; False when no option frees bytes at some peak
-    (``choice`` and ``tree`` are left where it stopped)."""
-    for _ in _growth(problem, choice, tree, budget):
+    (``choice`` and ``curve`` are left where it stopped)."""
+    for _ in _growth(problem, choice, curve, budget):
         pass
-    return tree.peak()[0] <= budget
+    return curve.peak()[0] <= budget
 
 
 def path(problem: Problem) -> list[Choice]:
     """The growth path with no budget: the choice after each switch, from eager to the lowest estimated peak."""
     choice: Choice = {}
-    return [dict(choice) for _ in _growth(problem, choice, PeakTree(problem.eager))]
+    return [dict(choice) for _ in _growth(problem, choice, Curve(problem, problem.eager))]
 
 
 def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tuple[Choice, np.ndarray]:
@@ -150,16 +178,23 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tup
         lo, eff = problem.span(cur)
         curve[lo: lo + eff.size] -= eff
         # the curve's largest value before each op and from each op on, to check an option outside its effect
-        before = np.concatenate(([np.iinfo(np.int64).min], np.maximum.accumulate(curve)))
-        after = np.concatenate((np.maximum.accumulate(curve[::-1])[::-1], [np.iinfo(np.int64).min]))
-        added = _added(problem, unit_terms)
-        cheaper = sorted((o for o in problem.of_unit[ui] if added[o] < 0), key=lambda o: (added[o], o))
+        before = [_LOWEST] + np.maximum.accumulate(curve).tolist()
+        after = np.maximum.accumulate(curve[::-1])[::-1].tolist() + [_LOWEST]
+        mine = problem.of_unit[ui]
+        added = dict(zip(mine, _added(problem, unit_terms, mine).tolist()))
+        cheaper = sorted((o for o in mine if added[o] < 0), key=lambda o: (added[o], o))
         taken: tuple[int | None, int, np.ndarray] = (cur, lo, eff)
-        for o in [None, *cheaper]:
-            olo, oeff = (0, eff[:0]) if o is None else problem.span(o)
-            hi = olo + oeff.size
-            inside = (curve[olo:hi] + oeff).max() if oeff.size else before[-1]
-            if max(before[olo], after[hi], inside) <= budget:
+        if before[-1] <= budget:  # no option at all
+            drops.append((ui, None))
+            taken = (None, 0, eff[:0])
+        else:
+            for o in cheaper:
+                olo, oeff = problem.span(o)
+                hi = olo + oeff.size
+                if before[olo] > budget or after[hi] > budget:
+                    continue
+                if oeff.size and int((curve[olo:hi] + oeff).max()) > budget:
+                    continue
                 drops.append((ui, o))
                 taken = (o, olo, oeff)
                 break
@@ -185,19 +220,47 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tup
     return fitting[longest_prefix(len(drops), fits)]
 
 
+def _lone(problem: Problem) -> list[int]:
+    """The options that are best alone: no other option, taken alone, has both a lower peak and a lower cost."""
+    top = int(problem.eager.max())
+    peaks = []
+    for o in range(len(problem.options)):
+        lo, eff = problem.span(o)
+        inside = int((problem.eager[lo: lo + eff.size] + eff).max()) if eff.size else top
+        outside = max(int(problem.eager[:lo].max(initial=0)), int(problem.eager[lo + eff.size:].max(initial=0)))
+        peaks.append(max(inside, outside))
+    out, best = [], None
+    for o in sorted(range(len(problem.options)), key=lambda o: (peaks[o], problem.cost[o], o)):
+        if peaks[o] < top and (best is None or problem.cost[o] < best):
+            out.append(o)
+            best = problem.cost[o]
+    return out
+
+
 def _grow_verified(problem: Problem, budget: int, choice: Choice,
-                   tree: PeakTree) -> tuple[np.ndarray | None, PeakTree]:
-    """Grows ``choice`` (whose estimate ``tree`` holds) until the simulator fits it under ``budget``, going on from
+                   curve: Curve) -> tuple[np.ndarray | None, Curve]:
+    """Grows ``choice`` (whose estimate ``curve`` holds) until the simulator fits it under ``budget``, going on from
     the simulated curve where the units' interactions put it over: its simulated curve (None if it found none) and
-    the tree of its estimate."""
+    the curve of its estimate."""
     for _ in range(_VERIFY_ROUNDS):
-        if not grow(problem, budget, choice, tree):
-            return None, tree
+        if not grow(problem, budget, choice, curve):
+            return None, curve
         live, _ = problem.sim.live(problem.state(choice))
         if live.max() <= budget:
-            return live, tree
-        tree = PeakTree(live)  # the units interact: go on from the simulated curve
-    return None, tree
+            return live, curve
+        curve = Curve(problem, live)  # the units interact: go on from the simulated curve
+    return None, curve
+
+
+def _choosable(members: list) -> list:
+    """The members (``(added seconds, peak, ...)``) some budget chooses, by peak: none other has both a lower peak
+    and a lower cost."""
+    out, best = [], None
+    for m in sorted(members, key=lambda m: (m[1], m[0])):
+        if best is None or m[0] < best:
+            out.append(m)
+            best = m[0]
+    return out
 
 
 class Family:
@@ -220,13 +283,15 @@ class Family:
 
     def _build(self) -> list[tuple[float, int, State]]:
         pr, sim = self.problem, self.problem.sim
-        found: dict[tuple, tuple[float, int, State]] = {}
+        found: dict[tuple, tuple[float, int, Choice]] = {}  # (simulated added seconds, simulated peak, choice)
 
-        def add(state: State) -> None:
-            key = tuple(sorted(state.items()))
-            if key not in found:
-                r = sim.run(state)
-                found[key] = (r.added_seconds, r.peak_bytes, state)
+        def add(choice: Choice) -> bool:
+            key = tuple(sorted(choice.items()))
+            if key in found:
+                return False
+            r = sim.run(pr.state(choice))
+            found[key] = (r.added_seconds, r.peak_bytes, dict(choice))  # the rungs' growth goes on in choice
+            return True
 
         lowest = int(pr.eager.max())
         grown = path(pr)
@@ -237,19 +302,36 @@ class Family:
             live, _ = sim.live(pr.state(choice))
             peak = int(live.max())
             lowest = min(lowest, peak)
-            add(pr.state(trim(pr, peak, choice, live)[0]))
-        lowest = min([lowest] + [peak for _, peak, _ in found.values()])
+            add(trim(pr, peak, choice, live)[0])
+        for o in _lone(pr):
+            add({int(pr.unit_of[o]): o})
+        lowest = min([lowest] + [m[1] for m in found.values()])
         top = int(pr.eager.max())
         # one growth down the rungs, from the highest: each rung's plan goes on from the last one's, untrimmed
         choice: Choice = {}
-        tree = PeakTree(pr.eager)
+        curve = Curve(pr, pr.eager)
         for i in reversed(range(1, RUNGS)):
             rung = lowest + (top - lowest) * i // RUNGS
-            live, tree = _grow_verified(pr, rung, choice, tree)
+            live, curve = _grow_verified(pr, rung, choice, curve)
             if live is None:
                 break
-            add(pr.state(trim(pr, rung, choice, live)[0]))
-        return sorted(found.values(), key=lambda m: (m[0], m[1], len(m[2])))
+            add(trim(pr, rung, choice, live)[0])
+        # the gaps: from each member the rule can choose, the plan grown to fit one byte under its peak
+        done: set[int] = set()
+        for _ in range(FILL_ROUNDS):
+            new = False
+            for _, peak, choice in _choosable(list(found.values()))[1:]:
+                if peak - 1 in done:
+                    continue
+                done.add(peak - 1)
+                trial = dict(choice)
+                live, _ = _grow_verified(pr, peak - 1, trial, Curve(pr, pr.estimate(trial)))
+                if live is not None:
+                    new |= add(trim(pr, peak - 1, trial, live)[0])
+            if not new:
+                break
+        members = [(added, peak, pr.state(choice)) for added, peak, choice in found.values()]
+        return sorted(members, key=lambda m: (m[0], m[1], len(m[2])))
 
     def solve(self, budget: int) -> State | None:
         """The cheapest member whose simulated peak fits ``budget``; None when none does."""
