@@ -42,7 +42,7 @@ def test_default_solver_within_1_percent_of_milp(case, share, bandwidth):
     # The exact solver starts from nothing the default found (NOTE [Exact up to interactions] in solvers/milp.py)
     # and its options include plain and hooked calls: the default's plan may be faster (the front's keep-sets are
     # not limited to the options' orderings) but never more than 1% slower. Known misses this caught: ResNet at 75%
-    # (three half-used bottleneck blocks where two whole ones fit, 1.33x: NOTE [Detours] in front.py), GPT and MLP
+    # (three half-used bottleneck blocks where two whole ones fit, 1.33x: NOTE [Option family]), GPT and MLP
     # at 75% (three plain blocks where two fit, 1.5x: NOTE [Option family] in solvers/options.py); with offload,
     # hooked blocks each cheap alone that together kept the host link busier than the step (NOTE [Prefetch]).
     planning = Planning(_steady_times(case.profile), bandwidth)

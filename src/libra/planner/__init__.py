@@ -109,23 +109,21 @@ class Selection:
 
     @property
     def minimum(self) -> tuple[State, SimResult]:
-        """The plan of the lowest peak found here, and its result: the lowest state (units turned plain where that
-        is faster at the same peak, NOTE [Plain regions]; hooked where that lowers the peak, NOTE [Hooked regions]),
-        or, with both mechanisms, the same from offloading's own full state where that ends lower; then the greedy
-        asked for one byte less while it finds a plan (keeping some activations can lower the peak: a kept one
-        spares a replay at the peak's moment); last, each unit takes its cheapest option at that peak
-        (:meth:`_cheapest_at`): the searches look for the lowest peak, not the cheapest plan that has it."""
+        """The plan of the lowest peak found here, and its result: the lowest state (units turned hooked where that
+        lowers the peak, NOTE [Hooked regions]), or, with both mechanisms, the same from offloading's own full
+        state where that ends lower; then the greedy asked for one byte less while it finds a plan (keeping some
+        activations can lower the peak: a kept one spares a replay at the peak's moment); last, each unit takes its
+        cheapest option at that peak (:meth:`_cheapest_at`, plain calls included): the searches look for the
+        lowest peak, not the cheapest plan that has it."""
         if self._minimum is None:
-            starts = [(self.lowest_state, greedy.RECOMPUTE in self.kinds)]  # a plain region recomputes everything
+            starts = [self.lowest_state]
             if greedy.OFFLOAD in self.kinds and len(self.kinds) > 1:
                 # offloading alone can end lower once calls are hooked, though recompute's full state starts lower
                 alone = greedy.full_state(self.sim, (greedy.OFFLOAD,))
-                starts.append((greedy.without_idle_units(self.sim, self.effects, alone) if alone else {}, False))
+                starts.append(greedy.without_idle_units(self.sim, self.effects, alone) if alone else {})
             best = None
-            for state, plain in starts:
+            for state in starts:
                 got = self.sim.run(state)
-                if plain:
-                    state, got = front.plainify(self.sim, state, got.peak_bytes)
                 if greedy.OFFLOAD in self.kinds:
                     state, got = front.hook_lowest(self.sim, state)
                 if best is None or (got.peak_bytes, got.added_seconds) < (best[1].peak_bytes, best[1].added_seconds):

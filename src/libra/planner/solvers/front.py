@@ -16,12 +16,10 @@ alone got slower with more memory at 28 of 720 budget steps). The family:
   until the peak passes the rung ten above. Every state of a chain is a candidate; the chains bridge the budgets
   between rungs, also from rungs far below.
 
-- detours (NOTE [Detours]): more anchors, plans off the greedy's growth path rather than the greedy's plans for a
-  budget, each with its two chains;
-
-- for every anchor, the same plan with units turned plain (NOTE [Plain regions] in simulate.py) wherever that is
-  faster, in forward order, once with any peak and once never above the anchor's: plain checkpoint costs less per
-  op than Libra's modes but caches nothing, so it is a different plan, not a better version of one.
+Plans with plain or hooked units, a unit alone, and plans two units wide where the greedy adds a third half-used
+one come from the option family beside it (NOTE [Option family] in ``options.py``); the front's own detours and
+plain variants, which found those before, changed no plan on the bench and test profiles once the family had them
+(2026-12-07) and were removed.
 
 A candidate counts for ``b`` when its estimated peak fits ``b`` and the simulator confirms it (each candidate is
 simulated at most once); both are properties of the candidate alone, so the rule stays monotone. Candidates are
@@ -35,29 +33,16 @@ offloading allowed, from 1% more to 28% less: the greedy alone is far from monot
 at 0-10% of the budgets (0-17% with offloading), between rungs, where the cost of a plan changes fastest; on the test
 models (GPT, MLP, ResNet; 2026-12-02) at 0-2%. The cost: a greedy solve per rung below ``b`` (they share one growth
 path) and two chains per rung, each O(k (log n + unit size)) for a plan of k moves over n ops.
-
-NOTE [Detours]: a unit costs a fixed charge to checkpoint at all (its region's machinery) on top of its moves, so
-"fewer units, more moves each" often wins where few units are needed. The greedy grows by the best bytes freed per
-second at the peak, and when its last unit barely misses a budget, it adds a third half-used unit where two others,
-one of them taken whole, fit: on ResNet at 75% the greedy (and the front) used three bottleneck blocks at 1.33x the
-MILP's added time, which uses two. The rungs cannot fix this: the budgets where the better plan fits lie between
-rungs (here a 21 KB window), and the greedy for the rung below does not reach it. So for each of the path's first
-``_DETOURS`` new units, the plan the path had before it plus, instead, the whole of the idle unit that frees more
-bytes at that peak than the path's choice (the best rate of those) is an anchor too; its chains take back what it
-does not need. Detours come from the greedy's growth with no budget, so they are the same for every budget and the
-front stays monotone. Measured: ResNet at 75% now equals the MILP; GPT-2-small-like predicted added time 0-5% lower
-at 45-90% of eager's activations; planner time +10%.
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
 
 import numpy as np
 
-from libra.planner.simulate import HOOKED, PLAIN, SimResult, Simulator, State, TimeModel, is_hooked
-from libra.planner.solvers.effects import OFFLOAD, RECOMPUTE, Effects, PeakTree
+from libra.planner.simulate import HOOKED, SimResult, Simulator, State, TimeModel, is_hooked
+from libra.planner.solvers.effects import OFFLOAD, Effects, PeakTree
 
 __all__ = ["Front", "default_ladder", "LADDER_STEPS"]
 
@@ -241,60 +226,41 @@ class Front:
         fx: the effects of the decisions the solver may take.
         anchor: ``anchor(budget) -> State | None``, the greedy's plan for exactly that budget.
         ladder: the anchor budgets; must not depend on the budgets asked for.
-        extras: ``extras() -> list[State]``, more anchors, given as plans; must not depend on the budgets either.
     """
 
-    def __init__(self, sim: Simulator, fx: Effects, anchor, ladder: list[int], extras=None) -> None:
+    def __init__(self, sim: Simulator, fx: Effects, anchor, ladder: list[int]) -> None:
         self.sim, self.fx = sim, fx
         self._anchor = anchor
-        self._extras = extras
-        self._extra_states: list[tuple[int, State]] | None = None  # (simulated peak, plan) of each extra anchor
         self.ladder = sorted(set(int(d) for d in ladder))
         self._chains: dict[int, list[_Chain]] = {}
         self._fits: dict[tuple[int, int, int], int] = {}  # (anchor, chain, state) -> simulated peak
-        self._plain: dict[int, list[tuple[float, int, State]]] = {}  # anchor -> (seconds, peak, state) variants
-
-    def extras(self) -> list[tuple[int, State]]:
-        """The extra anchors with their simulated peaks, computed when first asked."""
-        if self._extra_states is None:
-            states = self._extras() if self._extras is not None else []
-            self._extra_states = [(self.sim.run(s).peak_bytes, s) for s in states]
-        return self._extra_states
 
     def chains(self, d: int) -> list[_Chain]:
-        """The chains from the anchor at ``d`` (none if the greedy finds no plan there), built when first asked: a
-        rung of the ladder, or ``-(k + 1)`` for the k-th extra anchor."""
+        """The chains from the anchor at rung ``d`` (none if the greedy finds no plan there), built when first
+        asked."""
         if d not in self._chains:
-            state = self._anchor(d) if d >= 0 else self.extras()[-d - 1][1]
+            state = self._anchor(d)
             chains = []
             if state is not None:
                 moves = _moves(self.fx, state)
                 live, _ = self.sim.live(state)
-                i = self.ladder.index(d) if d >= 0 else max(bisect.bisect_right(self.ladder, int(live.max())) - 1, 0)
+                i = self.ladder.index(d)
                 reach = self.ladder[i + _REACH] if i + _REACH < len(self.ladder) else None
                 chains = [_Chain(self.sim, self.fx, moves, live, whole, reach) for whole in (False, True)]
                 for c in range(len(chains)):
                     self._fits[(d, c, 0)] = int(live.max())
-                self._plain[d] = plain_variants(self.sim, state, plain=RECOMPUTE in self.fx.kinds,
-                                                hooks=OFFLOAD in self.fx.kinds)
             self._chains[d] = chains
         return self._chains[d]
 
     def solve(self, budget: int) -> State | None:
         """The cheapest candidate whose estimated and simulated peaks both fit ``budget``; None when none does."""
         found = []
-        anchors = [d for d in self.ladder if d <= budget]
-        anchors += [-k - 1 for k, (peak, _) in enumerate(self.extras()) if peak <= budget]
-        for d in anchors:
+        for d in [d for d in self.ladder if d <= budget]:
             for c, chain in enumerate(self.chains(d)):
                 idx = np.flatnonzero(chain.peaks <= budget)
                 found.extend((float(chain.costs[i]), d, c, int(i)) for i in idx)
-            found.extend((seconds, d, -1, k) for k, (seconds, peak, _) in enumerate(self._plain.get(d, ()))
-                         if peak <= budget)
         found.sort()
         for _, d, c, i in found:
-            if c < 0:
-                return self._plain[d][i][2]  # simulated exactly already
             chain = self._chains[d][c]
             peak = self._fits.get((d, c, i))
             if peak is None:
@@ -302,46 +268,6 @@ class Front:
             if peak <= budget:
                 return chain.state(i)
         return None
-
-
-def _run(sim: Simulator, state: State, memo: dict | None) -> SimResult:
-    if memo is None:
-        return sim.run(state)
-    key = tuple(sorted(state.items()))
-    got = memo.get(key)
-    if got is None:
-        got = memo[key] = sim.run(state)
-    return got
-
-
-def _turn(sim: Simulator, state: State, cap: int | None, entry: frozenset[int], may,
-          memo: dict | None = None) -> tuple[State, SimResult]:
-    """``state`` with its units set to ``entry``, one at a time in forward order, where ``may(unit)`` allows it,
-    that makes the plan faster and keeps the simulated peak at most ``cap`` (None: any peak); with its simulated
-    result. ``memo`` (state -> result) spares simulating a trial twice across calls."""
-    best, current = _run(sim, state, memo), dict(state)
-    for ui in sorted(state, key=lambda u: sim.units[u].instances[0].start):
-        if current[ui] == entry or not may(ui):
-            continue
-        trial = dict(current)
-        trial[ui] = entry
-        got = _run(sim, trial, memo)
-        if got.added_seconds < best.added_seconds and (cap is None or got.peak_bytes <= cap):
-            best, current = got, trial
-    return current, best
-
-
-def plainify(sim: Simulator, state: State, cap: int | None, memo: dict | None = None) -> tuple[State, SimResult]:
-    """``state`` with units turned plain wherever that makes it faster within ``cap`` (NOTE [Plain regions])."""
-    if sim.plain_costs is None:
-        return dict(state), sim.run(state)
-    return _turn(sim, state, cap, PLAIN, lambda ui: sim.units[ui].plain_ok, memo)
-
-
-def hookify(sim: Simulator, state: State, cap: int | None, memo: dict | None = None) -> tuple[State, SimResult]:
-    """``state`` with checkpointed units turned hooked wherever that makes it faster within ``cap`` (NOTE [Hooked
-    regions])."""
-    return _turn(sim, state, cap, HOOKED, sim.hook_ok, memo)
 
 
 def hook_lowest(sim: Simulator, state: State) -> tuple[State, SimResult]:
@@ -358,25 +284,6 @@ def hook_lowest(sim: Simulator, state: State) -> tuple[State, SimResult]:
         if (got.peak_bytes, got.added_seconds) < (best.peak_bytes, best.added_seconds):
             best, current = got, trial
     return current, best
-
-
-def plain_variants(sim: Simulator, state: State, plain: bool = True,
-                   hooks: bool = False) -> list[tuple[float, int, State]]:
-    """``state`` with units turned plain where that makes it faster (``plain``: recomputing is allowed), and
-    (``hooks``: offloading is) then hooked where that is faster still: once whatever the peak, once never above
-    ``state``'s own. ``(added seconds, peak, state)`` of each variant that differs from ``state``; none when the
-    profile has no measured plain-checkpoint costs."""
-    if sim.plain_costs is None or not state or not (plain or hooks):
-        return []
-    out = []
-    memo: dict = {}  # the two passes try mostly the same plans
-    for cap in (None, sim.run(state).peak_bytes):
-        current, best = plainify(sim, state, cap, memo) if plain else (dict(state), sim.run(state))
-        if hooks:
-            current, best = hookify(sim, current, cap, memo)
-        if current != state and all(current != v for _, _, v in out):
-            out.append((best.added_seconds, best.peak_bytes, current))
-    return out
 
 
 def _moves(fx: Effects, state: State) -> list[int]:

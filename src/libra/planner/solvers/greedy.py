@@ -27,9 +27,7 @@ from libra.planner.solvers.front import Front, default_ladder
 __all__ = ["Effects", "full_state", "state_for", "solve", "solve_at", "RECOMPUTE", "OFFLOAD"]
 
 _POLISH_UNITS = 12
-_EXCHANGE_UNITS = 4
 _VERIFY_ROUNDS = 32
-_DETOURS = 8  # the path's first new units that each get a detour
 
 
 def state_for(sim: Simulator, moves) -> State:
@@ -176,24 +174,6 @@ class _Ranking:
         for m in self.fx.moves_of_unit(u).tolist():
             if not taken[m] and self.red[m] > 0:
                 heapq.heappush(self.heap, (-float(self.score[m]), u, m, (m,)))
-
-
-def _bundles(fx: Effects, red: np.ndarray, uv: np.ndarray, free: np.ndarray, on: np.ndarray):
-    """Each idle unit as a whole: ``(unit, moves, bytes freed, seconds)``, the moves every candidate of the unit that
-    frees bytes at the op ``red`` and ``uv`` were taken at (one mechanism each, the one freeing most per second)."""
-    out = []
-    for u in np.flatnonzero(~on).tolist():
-        ms_u = fx.moves_of_unit(u)
-        best: dict[int, int] = {}  # candidate -> its move that frees most here per second
-        for m in ms_u[free[ms_u]].tolist():
-            c = int(fx.move_cand[m])
-            if c not in best or red[m] * fx.move_cost[best[c]] > red[best[c]] * fx.move_cost[m]:
-                best[c] = m
-        if best:
-            ms = tuple(sorted(best.values()))
-            out.append((u, ms, int(red[list(ms)].sum()) - int(uv[u]),
-                        float(fx.unit_cost[u] + fx.move_cost[list(ms)].sum())))
-    return out
 
 
 class _Path:
@@ -380,9 +360,9 @@ class _Search:
         return fitting[longest_prefix(len(removed), fits)]
 
     # ---- trials -------------------------------------------------------------------------------------------------
-    def trial(self, chosen: list, live_tree: PeakTree, drop_unit: int, add: list[int]) -> list | None:
-        """``chosen`` without unit ``drop_unit``, plus ``add``, grown back to fit and undone, on the estimate only
-        (``live_tree`` is the simulated curve of ``chosen``; it is restored)."""
+    def trial(self, chosen: list, live_tree: PeakTree, drop_unit: int) -> list | None:
+        """``chosen`` without unit ``drop_unit``, grown back to fit and undone, on the estimate only (``live_tree``
+        is the simulated curve of ``chosen``; it is restored)."""
         fx = self.fx
         mark = live_tree.mark()
         rest = [m for m in chosen if fx.move_unit[m] != drop_unit]
@@ -390,7 +370,6 @@ class _Search:
             dropped = [(*fx.move_points(m), -1) for m in chosen if fx.move_unit[m] == drop_unit]
             live_tree.add_merged(dropped + [(*fx.unit_points(drop_unit), -1)])
         on, taken = self._flags(rest, banned=(drop_unit,))
-        self._apply(live_tree, [m for m in add if not taken[m]], on, taken, rest)
         result = None
         if self.grow(live_tree, rest, on, taken):
             removed = set(self._undo_estimate(live_tree, rest))
@@ -426,8 +405,8 @@ class _Search:
             grown = chosen, self.simulate(chosen)
         return self.undo(*grown)
 
-    def polish(self, kinds: tuple[str, ...], chosen: list[int], live: np.ndarray) -> list[int]:
-        """Tries doing without each of the costliest checkpointed units, and exchanging one for an idle unit."""
+    def polish(self, chosen: list[int], live: np.ndarray) -> list[int]:
+        """Tries doing without each of the costliest checkpointed units, regrowing elsewhere."""
         fx = self.fx
         cost = fx.cost(chosen)
 
@@ -467,36 +446,17 @@ class _Search:
                 spend[u] = spend.get(u, float(fx.unit_cost[u])) + float(fx.move_cost[m])
                 freed[u] = freed.get(u, -int(uv[u])) - int(mv[m])
 
-        def hopeless(u: int, adds: float = 0.0, frees: int = 0) -> bool:
+        def hopeless(u: int) -> bool:
             if u not in spend:
                 return True
-            need = freed[u] - frees - slack
-            return need > 0 and (rate <= 0 or adds + need / rate >= spend[u])
+            need = freed[u] - slack
+            return need > 0 and (rate <= 0 or need / rate >= spend[u])
 
         measure()
         # Polish: try doing without each checkpointed unit (the costliest few), regrowing elsewhere.
         for ui in sorted(spend, key=lambda u: (-spend[u], u))[:_POLISH_UNITS]:
             if any(fx.move_unit[m] == ui for m in chosen) and not hopeless(ui):
-                consider(self.trial(chosen, tree, ui, []))
-        # Exchange: drop one used unit and start from all of an idle one (the fixed cost of checkpointing a unit
-        # makes "fewer units, more moves each" a plan single removals do not reach).
-        measure()
-        used = {int(fx.move_unit[m]) for m in chosen}
-        idle = [u for u in range(fx.n_units) if u not in used]
-        potential = {}
-        for u in idle:
-            ms = fx.moves_of_unit(u)
-            potential[u] = -(int(uv[u]) + int(mv[ms[self.allowed[ms]]].sum()))
-        idle = sorted(idle, key=lambda u: (-potential[u], u))[:_EXCHANGE_UNITS]
-        for ui in sorted(used, key=lambda u: (-spend.get(u, 0.0), u))[:_EXCHANGE_UNITS]:
-            for vj in idle:
-                if not any(fx.move_unit[m] == ui for m in chosen):
-                    break
-                add = [int(m) for m in fx.moves_of_unit(vj) if self.allowed[m] and fx.moves[m][2] == kinds[0]]
-                adds = float(fx.unit_cost[vj] + fx.move_cost[add].sum()) if add else 0.0
-                frees = -int(uv[vj]) - int(mv[add].sum()) if add else 0
-                if not hopeless(ui, adds, frees):
-                    consider(self.trial(chosen, tree, ui, add))
+                consider(self.trial(chosen, tree, ui))
         return chosen
 
 
@@ -532,45 +492,9 @@ def solve_at(sim: Simulator, budget: int, effects: Effects | None = None, kinds=
             best = (seconds, variant, search, chosen, live)
     if best is None:
         return None
-    _, variant, search, chosen, live = best
-    chosen = search.polish(variant, chosen, live)
+    _, _, search, chosen, live = best
+    chosen = search.polish(chosen, live)
     return state_for(sim, [fx.moves[c] for c in chosen])
-
-
-def detours(sim: Simulator, fx: Effects) -> list[State]:
-    """Budget-independent plans off the greedy's path, anchors of the front (NOTE [Detours] in ``front.py``): where
-    the path checkpoints each of its first few new units, the plan so far plus, instead, all of the idle unit that
-    frees more bytes at that peak than the path's choice, the one freeing most per second of those."""
-    if "_detours" in fx.__dict__:
-        return fx.__dict__["_detours"]
-    allowed, path = _path(fx, fx.kinds)
-    tree = PeakTree(fx.eager)
-    on = np.zeros(fx.n_units, dtype=bool)
-    taken = ~allowed
-    chosen: list[int] = []
-    out: list[State] = []
-    i = 0
-    while True:
-        if len(path.ends) - 1 <= i and not path.grow():
-            break
-        option = path.moves[path.ends[i]:path.ends[i + 1]]
-        u = int(fx.move_unit[option[0]])
-        if not on[u]:
-            if int(on.sum()) >= _DETOURS:
-                break
-            _, t = tree.peak()
-            mv, uv = fx.values_at(t)
-            red = -mv
-            bundles = _bundles(fx, red, uv, ~taken & (red > 0), on)
-            frees = int(red[option].sum()) - int(uv[u])
-            wider = [b for b in bundles if b[0] != u and b[2] > frees]
-            if wider:
-                _, ms, _, _ = max(wider, key=lambda b: (b[2] / max(b[3], 1e-12), -b[0]))
-                out.append(state_for(sim, [fx.moves[m] for m in chosen + list(ms)]))
-        _take(fx, tree, option, on, taken, chosen)
-        i += 1
-    fx.__dict__["_detours"] = out
-    return out
 
 
 def _path(fx: Effects, variant: tuple[str, ...]) -> tuple[np.ndarray, _Path]:
@@ -602,5 +526,5 @@ def solve(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RE
     fronts = fx.__dict__.setdefault("_fronts", {})
     key = tuple(ladder)
     if key not in fronts:
-        fronts[key] = Front(sim, fx, lambda d: solve_at(sim, d, fx), ladder, lambda: detours(sim, fx))
+        fronts[key] = Front(sim, fx, lambda d: solve_at(sim, d, fx), ladder)
     return fronts[key].solve(budget)
