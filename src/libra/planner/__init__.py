@@ -44,7 +44,7 @@ SAFETY_MARGIN = 0.01
 
 FAMILY_MAX_UNITS = 128  # selections with more units plan with the front alone (NOTE [Option family])
 
-_MINIMUM_ROUNDS = 8  # greedy solves, each one byte under the last, that Selection.minimum tries at most
+_MINIMUM_ROUNDS = 8  # trims of the lowest-peak plan at its own peak, while they gain (Selection._cheapest_at)
 
 
 _DECISIONS = frozenset({"keep", "recompute", "offload"})
@@ -111,10 +111,10 @@ class Selection:
     def minimum(self) -> tuple[State, SimResult]:
         """The plan of the lowest peak found here, and its result: the lowest state (units turned hooked where that
         lowers the peak, NOTE [Hooked regions]), or, with both mechanisms, the same from offloading's own full
-        state where that ends lower; then the greedy asked for one byte less while it finds a plan (keeping some
-        activations can lower the peak: a kept one spares a replay at the peak's moment); last, each unit takes its
-        cheapest option at that peak (:meth:`_cheapest_at`, plain calls included): the searches look for the
-        lowest peak, not the cheapest plan that has it."""
+        state where that ends lower; then each unit takes its cheapest option at that peak (:meth:`_cheapest_at`,
+        plain calls included): the searches look for the lowest peak, not the cheapest plan that has it. Where
+        keeping some activations lowers the peak further (a kept one spares a replay at the peak's moment), the
+        option family's lowest member is lower and :meth:`Planning._lowest_of` takes it."""
         if self._minimum is None:
             starts = [self.lowest_state]
             if greedy.OFFLOAD in self.kinds and len(self.kinds) > 1:
@@ -128,13 +128,7 @@ class Selection:
                     state, got = front.hook_lowest(self.sim, state)
                 if best is None or (got.peak_bytes, got.added_seconds) < (best[1].peak_bytes, best[1].added_seconds):
                     best = (state, got)
-            state, got = best
-            for _ in range(_MINIMUM_ROUNDS):
-                lower = greedy.solve(self.sim, got.peak_bytes - 1, self.effects)
-                if lower is None:
-                    break
-                state, got = lower, self.sim.run(lower)
-            self._minimum = self._cheapest_at(state, got)
+            self._minimum = self._cheapest_at(*best)
         return self._minimum
 
     def _cheapest_at(self, state: State, got: SimResult) -> tuple[State, SimResult]:

@@ -469,31 +469,17 @@ def _full(sim: Simulator, fx: Effects, kinds: tuple[str, ...]) -> tuple[State, S
 
 
 def solve_at(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RECOMPUTE,)) -> State | None:
-    """The greedy state for exactly ``budget`` (not monotone in it; see :func:`solve`), or None when even evicting
-    every candidate does not fit.
-
-    With both mechanisms allowed, the growth also runs with each alone and the cheapest simulated plan is polished:
-    a greedy that mixes them from the first move can miss a plan that uses one throughout.
-    """
+    """The greedy state for exactly ``budget`` (not monotone in it; see :func:`solve`), polished, or None when even
+    evicting every candidate does not fit."""
     if sim.run({}).peak_bytes <= budget:
         return {}
     fx = Effects(sim, kinds) if effects is None else effects
-    variants = [fx.kinds] + ([(k,) for k in fx.kinds] if len(fx.kinds) > 1 else [])
-    best = None
-    for variant in variants:
-        state, result = _full(sim, fx, variant)
-        if result.peak_bytes > budget:
-            continue
-        allowed, path = _path(fx, variant)
-        search = _Search(sim, fx, budget, allowed)
-        chosen, live = search.run(state, path)
-        seconds = sim.run(state_for(sim, [fx.moves[c] for c in chosen])).added_seconds
-        if best is None or seconds < best[0]:
-            best = (seconds, variant, search, chosen, live)
-    if best is None:
+    state, result = _full(sim, fx, fx.kinds)
+    if result.peak_bytes > budget:
         return None
-    _, _, search, chosen, live = best
-    chosen = search.polish(chosen, live)
+    allowed, path = _path(fx, fx.kinds)
+    search = _Search(sim, fx, budget, allowed)
+    chosen = search.polish(*search.run(state, path))
     return state_for(sim, [fx.moves[c] for c in chosen])
 
 
