@@ -167,13 +167,25 @@ def path(problem: Problem) -> list[Choice]:
 
 
 def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tuple[Choice, np.ndarray]:
-    """``choice`` (which the simulator fits under ``budget``, curve ``live``) with each unit, costliest first, moved
-    to its cheapest option the estimate still fits, cheapest with the other units' choices as they are (a busy host
-    link makes an offload that is cheap alone dear); checked by the simulator (NOTE [Option family cost])."""
+    """``choice`` (which the simulator fits under ``budget``, curve ``live``) without each unit the estimate still
+    fits without, costliest first, then with each unit left, costliest first, moved to its cheapest option the
+    estimate still fits, cheapest with the other units' choices as they are (a busy host link makes an offload that
+    is cheap alone dear); checked by the simulator (NOTE [Option family cost]). Whole units go first: a unit moved
+    to a cheaper option can spend the slack that dropping another, dearer in all, needed."""
     curve = np.array(live[: problem.n_t], dtype=np.int64)
     drops: list[tuple[int, int | None]] = []
     _, unit_terms = _arrays(problem, choice)
-    for ui in sorted(choice, key=lambda u: (-problem.cost[choice[u]], u)):
+    order = sorted(choice, key=lambda u: (-problem.cost[choice[u]], u))
+    for ui in order:
+        lo, eff = problem.span(choice[ui])
+        curve[lo: lo + eff.size] -= eff
+        if curve.max() <= budget:
+            drops.append((ui, None))
+            unit_terms[ui] = 0.0
+        else:
+            curve[lo: lo + eff.size] += eff
+    gone = {ui for ui, _ in drops}
+    for ui in [u for u in order if u not in gone]:
         cur = choice[ui]
         lo, eff = problem.span(cur)
         curve[lo: lo + eff.size] -= eff
