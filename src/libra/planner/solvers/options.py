@@ -23,8 +23,9 @@ depend on ``b`` whose simulated peak fits ``b``. The family:
   freed per second, so a unit that frees enough alone at a lower rate is never on the path, which takes two units
   of better rates instead;
 - the gaps: a budget between two members the rule can choose (by peak, each cheaper than every one below it) gets
-  the lower one, however close the upper one's peak. So each such member is grown to fit one byte under its own
-  peak, from its own options, and trimmed there; ``FILL_ROUNDS`` passes while they add members.
+  the lower one, however close the upper one's peak. So for each such pair the upper one is grown to fit one byte
+  under its own peak and trimmed there, and the lower one is trimmed there too (it may spend the gap's bytes);
+  ``FILL_ROUNDS`` passes while they add members (more passes find more, each costing about as much as the last).
 
 The planner takes the cheaper of this family's plan and the move-level front's (``front.py``), both chosen by the
 same rule, so the result stays monotone. Neither alone is enough (``bench/planner_family.py`` measures each): the
@@ -57,7 +58,6 @@ RUNGS = 16
 PATH_PLANS = 24  # a longer growth path has its first plans and this many more, evenly spaced, in the family
 FILL_ROUNDS = 4  # passes over the gaps between members (NOTE [Option family])
 _VERIFY_ROUNDS = 16
-_LOWEST = -(2**62)
 
 
 class Curve:
@@ -175,6 +175,7 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tup
     curve = np.array(live[: problem.n_t], dtype=np.int64)
     drops: list[tuple[int, int | None]] = []
     _, unit_terms = _arrays(problem, choice)
+    n = problem.n_t
     order = sorted(choice, key=lambda u: (-problem.cost[choice[u]], u))
     for ui in order:
         lo, eff = problem.span(choice[ui])
@@ -187,25 +188,29 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tup
     gone = {ui for ui, _ in drops}
     for ui in [u for u in order if u not in gone]:
         cur = choice[ui]
-        lo, eff = problem.span(cur)
-        curve[lo: lo + eff.size] -= eff
-        # the curve's largest value before each op and from each op on, to check an option outside its effect
-        before = [_LOWEST] + np.maximum.accumulate(curve).tolist()
-        after = np.maximum.accumulate(curve[::-1])[::-1].tolist() + [_LOWEST]
         mine = problem.of_unit[ui]
         added = dict(zip(mine, _added(problem, unit_terms, mine).tolist()))
         cheaper = sorted((o for o in mine if added[o] < 0), key=lambda o: (added[o], o))
+        lo, eff = problem.span(cur)
+        curve[lo: lo + eff.size] -= eff
+        top = int(np.argmax(curve))  # over the budget there, an option must take bytes off at this op
+        over = int(curve[top]) - budget
         taken: tuple[int | None, int, np.ndarray] = (cur, lo, eff)
-        if before[-1] <= budget:  # no option at all
+        if over <= 0:  # no option at all (the others moved since the first pass)
             drops.append((ui, None))
             taken = (None, 0, eff[:0])
-        else:
+        elif cheaper:
+            # the curve's largest value up to each op and from each op on, to check an option outside its effect
+            upto = np.maximum.accumulate(curve)
+            after = np.maximum.accumulate(curve[::-1])[::-1]
             for o in cheaper:
                 olo, oeff = problem.span(o)
                 hi = olo + oeff.size
-                if before[olo] > budget or after[hi] > budget:
+                if not olo <= top < hi or oeff[top - olo] > -over:
                     continue
-                if oeff.size and int((curve[olo:hi] + oeff).max()) > budget:
+                if (olo and upto[olo - 1] > budget) or (hi < n and after[hi] > budget):
+                    continue
+                if int((curve[olo:hi] + oeff).max()) > budget:
                     continue
                 drops.append((ui, o))
                 taken = (o, olo, oeff)
@@ -328,18 +333,22 @@ class Family:
             if live is None:
                 break
             add(trim(pr, rung, choice, live)[0])
-        # the gaps: from each member the rule can choose, the plan grown to fit one byte under its peak
-        done: set[int] = set()
+        # the gaps between members the rule can choose: the upper one grown to fit one byte under its own peak, and
+        # the lower one trimmed there
+        done: set[tuple[int, int]] = set()
         for _ in range(FILL_ROUNDS):
             new = False
-            for _, peak, choice in _choosable(list(found.values()))[1:]:
-                if peak - 1 in done:
+            choosable = _choosable(list(found.values()))
+            for (_, low_peak, low), (_, peak, choice) in zip(choosable, choosable[1:]):
+                if (low_peak, peak) in done:
                     continue
-                done.add(peak - 1)
+                done.add((low_peak, peak))
                 trial = dict(choice)
                 live, _ = _grow_verified(pr, peak - 1, trial, Curve(pr, pr.estimate(trial)))
                 if live is not None:
                     new |= add(trim(pr, peak - 1, trial, live)[0])
+                live, _ = sim.live(pr.state(low))
+                new |= add(trim(pr, peak - 1, low, live)[0])
             if not new:
                 break
         members = [(added, peak, pr.state(choice)) for added, peak, choice in found.values()]
