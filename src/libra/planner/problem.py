@@ -209,6 +209,13 @@ class Problem:
         self._points = [(self.pos[a:b].tolist(), self.val[a:b].tolist()) for a, b in zip(ptr[:-1], ptr[1:])]
         self._spans: dict[int, tuple[int, np.ndarray]] = {}
         self._at: dict[int, np.ndarray] = {}
+        self._of_unit: list[np.ndarray] | None = None
+
+    def unit_options(self, ui: int) -> np.ndarray:
+        """The indices of unit ``ui``'s options (``of_unit[ui]`` as an array)."""
+        if self._of_unit is None:
+            self._of_unit = [np.array(x, dtype=np.int64) for x in self.of_unit]
+        return self._of_unit[ui]
 
     @property
     def n_units(self) -> int:

@@ -188,9 +188,6 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tup
     gone = {ui for ui, _ in drops}
     for ui in [u for u in order if u not in gone]:
         cur = choice[ui]
-        mine = problem.of_unit[ui]
-        added = dict(zip(mine, _added(problem, unit_terms, mine).tolist()))
-        cheaper = sorted((o for o in mine if added[o] < 0), key=lambda o: (added[o], o))
         lo, eff = problem.span(cur)
         curve[lo: lo + eff.size] -= eff
         top = int(np.argmax(curve))  # over the budget there, an option must take bytes off at this op
@@ -199,15 +196,17 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tup
         if over <= 0:  # no option at all (the others moved since the first pass)
             drops.append((ui, None))
             taken = (None, 0, eff[:0])
-        elif cheaper:
+        else:
+            mine = problem.unit_options(ui)
+            able = mine[problem.values_at(top)[mine] <= -over]
+            added = dict(zip(able.tolist(), _added(problem, unit_terms, able).tolist())) if able.size else {}
+            cheaper = sorted((o for o, a in added.items() if a < 0), key=lambda o: (added[o], o))
             # the curve's largest value up to each op and from each op on, to check an option outside its effect
-            upto = np.maximum.accumulate(curve)
-            after = np.maximum.accumulate(curve[::-1])[::-1]
+            upto = np.maximum.accumulate(curve) if cheaper else None
+            after = np.maximum.accumulate(curve[::-1])[::-1] if cheaper else None
             for o in cheaper:
                 olo, oeff = problem.span(o)
                 hi = olo + oeff.size
-                if not olo <= top < hi or oeff[top - olo] > -over:
-                    continue
                 if (olo and upto[olo - 1] > budget) or (hi < n and after[hi] > budget):
                     continue
                 if int((curve[olo:hi] + oeff).max()) > budget:
