@@ -37,7 +37,7 @@ def test_simulator_reproduces_eager_peak(case, planning):
 
 
 @pytest.mark.parametrize("bandwidth", [None, 2e9], ids=["recompute", "offload-2GB/s"])
-@pytest.mark.parametrize("share", [0.75, 0.5, "min"])
+@pytest.mark.parametrize("share", [0.9, 0.75, 0.5, "min"])
 def test_default_solver_within_1_percent_of_milp(case, share, bandwidth):
     # The exact solver starts from nothing the default found (NOTE [Exact up to interactions] in solvers/milp.py)
     # and its options include plain and hooked calls: the default's plan may be faster (the front's keep-sets are
