@@ -44,7 +44,7 @@ SAFETY_MARGIN = 0.01
 
 FAMILY_MAX_UNITS = 128  # selections with more units plan with the front alone (NOTE [Option family])
 
-_MINIMUM_ROUNDS = 8  # trims of the lowest-peak plan at its own peak, while they gain (Selection._cheapest_at)
+_CHEAPEST_ROUNDS = 8  # trims of the lowest-peak plan at its own peak, while they gain (Selection._cheapest_at)
 
 
 _DECISIONS = frozenset({"keep", "recompute", "offload"})
@@ -138,7 +138,7 @@ class Selection:
         if len(self.units) > FAMILY_MAX_UNITS:
             return state, got
         problem = self.problem
-        for _ in range(_MINIMUM_ROUNDS):
+        for _ in range(_CHEAPEST_ROUNDS):
             choice = problem.choice_of(state)
             if choice is None:
                 break

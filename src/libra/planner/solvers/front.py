@@ -5,8 +5,8 @@ fits a budget fits every larger one, so choosing, for budget ``b``, the cheapest
 of candidate plans that does *not* depend on ``b`` is monotone by construction: a larger budget admits a superset of
 the candidates, and the cheapest of a superset costs no more. Taking the cheapest of the greedy's plan *for b* and of
 its plans for a few smaller budgets is not enough: the greedy's plan for some ``b1 < b2`` can be cheaper than
-everything the ladder of ``b2`` reaches, and a pure planner cannot remember it (on chains of 2-8 blocks the greedy
-alone got slower with more memory at 28 of 720 budget steps). The family:
+everything the ladder of ``b2`` reaches, and a pure planner cannot remember it (on small chains the greedy alone
+gets slower with more memory at some budget steps: ``bench/planner_scaling.py``'s ``monotonicity``). The family:
 
 - anchors: the greedy's plan (``solve_at``) for each rung of a fixed ladder from the lowest peak the planner
   reaches to eager's (:func:`default_ladder`: 20 rungs, closer together near the floor);
@@ -17,9 +17,8 @@ alone got slower with more memory at 28 of 720 budget steps). The family:
   between rungs, also from rungs far below.
 
 Plans with plain or hooked units, a unit alone, and plans two units wide where the greedy adds a third half-used
-one come from the option family beside it (NOTE [Option family] in ``options.py``); the front's own detours and
-plain variants, which found those before, changed no plan on the bench and test profiles once the family had them
-(2026-12-07) and were removed.
+one come from the option family beside it (NOTE [Option family] in ``options.py``), which the planner consults
+too; the front keeps what the family does not reach (single moves, units traded for more evictions elsewhere).
 
 A candidate counts for ``b`` when its estimated peak fits ``b`` and the simulator confirms it (each candidate is
 simulated at most once); both are properties of the candidate alone, so the rule stays monotone. Candidates are
@@ -27,12 +26,10 @@ ranked by their simulated added seconds, which :class:`~libra.planner.simulate.T
 chain, so equal plans tie exactly. Only rungs at or below ``b`` are solved, when first needed, and remembered with
 the effects.
 
-Measured over 41 budgets from the floor to eager (``bench/planner_scaling.py``, 2026-12-03): on synthetic chains of
-2-40 blocks the chosen plan costs on average 0.5% more to 1.6% less than the greedy's plan for the exact budget (with
-offloading allowed, from 1% more to 28% less: the greedy alone is far from monotone there); it is more than 3% dearer
-at 0-10% of the budgets (0-17% with offloading), between rungs, where the cost of a plan changes fastest; on the test
-models (GPT, MLP, ResNet; 2026-12-02) at 0-2%. The cost: a greedy solve per rung below ``b`` (they share one growth
-path) and two chains per rung, each O(k (log n + unit size)) for a plan of k moves over n ops.
+What the monotone rule costs against the greedy's plan for the exact budget is measured by
+``bench/planner_scaling.py`` (``monotone_vs_exact_budget_greedy``): most where the cost of a plan changes fastest,
+between rungs near the floor. The cost: a greedy solve per rung below ``b`` (they share one growth path) and two
+chains per rung, each O(k (log n + unit size)) for a plan of k moves over n ops.
 """
 
 from __future__ import annotations
