@@ -275,5 +275,6 @@ class Problem:
         delta = np.zeros(self.n_t + 1, dtype=np.int64)
         for o in choice.values():
             p, v = self._points[o]
-            np.add.at(delta, np.minimum(p, self.n_t), v)
+            if p:  # an option that changes nothing has no points (an empty list is no index array)
+                np.add.at(delta, np.minimum(p, self.n_t), v)
         return self.eager + np.cumsum(delta)[: self.n_t]
