@@ -263,7 +263,8 @@ def test_an_option_that_changes_nothing_is_estimated():
 def test_hooked_calls_with_early_prefetch_and_a_plain_sigmoid_at_the_minimum():
     """At the named minimum with a 1 GB/s link the plan hooks seven calls (copies back at the prefetch trigger of
     each) and runs one sigmoid under plain checkpoint; each step measured 10,400 B above the budget plus the host
-    buffers (2 x 5,056 B, a CPU generator state's size, + 288). Found by a 500-example explored sweep."""
+    buffers (2 x 5,056 B, a CPU generator state's size, + 288). The same at 0.5 GB/s to 10 TB/s; at a tenth of the
+    way from the minimum to eager's peak every link passes. Found by a 500-example explored sweep."""
     _check_in_a_frame_of_its_own(
         ((Node("linear_dropout_", (0,)), Node("add_into", (1, 1)), Node("add", (2, 2)), Node("linear", (3,))),
          (Node("linear", (0,)), Node("linear", (0,)), Node("linear", (2,))),
