@@ -210,6 +210,7 @@ class Problem:
         self._spans: dict[int, tuple[int, np.ndarray]] = {}
         self._at: dict[int, np.ndarray] = {}
         self._of_unit: list[np.ndarray] | None = None
+        self._index: dict[tuple[int, Option], int] | None = None  # (unit, option) -> option index, for choice_of
 
     def unit_options(self, ui: int) -> np.ndarray:
         """The indices of unit ``ui``'s options (``of_unit[ui]`` as an array)."""
@@ -261,7 +262,9 @@ class Problem:
 
     def choice_of(self, state: State) -> Choice | None:
         """The choice whose state is ``state``, or None when one of its entries is no option here."""
-        index = {(int(self.unit_of[o]), opt): o for o, opt in enumerate(self.options)}
+        if self._index is None:
+            self._index = {(int(self.unit_of[o]), opt): o for o, opt in enumerate(self.options)}
+        index = self._index
         out = {}
         for ui, entry in state.items():
             o = index.get((ui, Option.of_entry(entry)))

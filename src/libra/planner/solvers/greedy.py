@@ -460,12 +460,12 @@ class _Search:
         return chosen
 
 
-def _full(sim: Simulator, fx: Effects, kinds: tuple[str, ...]) -> tuple[State, SimResult]:
-    cache = fx.__dict__.setdefault("_full_cache", {})
-    if kinds not in cache:
-        state = full_state(sim, kinds)
-        cache[kinds] = (state, sim.run(state))
-    return cache[kinds]
+def _full(sim: Simulator, fx: Effects) -> tuple[State, SimResult]:
+    """The full state of ``fx``'s mechanisms and its result, shared by every solve on ``fx``."""
+    if "_full" not in fx.__dict__:
+        state = full_state(sim, fx.kinds)
+        fx.__dict__["_full"] = (state, sim.run(state))
+    return fx.__dict__["_full"]
 
 
 def solve_at(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RECOMPUTE,)) -> State | None:
@@ -474,22 +474,21 @@ def solve_at(sim: Simulator, budget: int, effects: Effects | None = None, kinds=
     if sim.run({}).peak_bytes <= budget:
         return {}
     fx = Effects(sim, kinds) if effects is None else effects
-    state, result = _full(sim, fx, fx.kinds)
+    state, result = _full(sim, fx)
     if result.peak_bytes > budget:
         return None
-    allowed, path = _path(fx, fx.kinds)
+    allowed, path = _path(fx)
     search = _Search(sim, fx, budget, allowed)
     chosen = search.polish(*search.run(state, path))
     return state_for(sim, [fx.moves[c] for c in chosen])
 
 
-def _path(fx: Effects, variant: tuple[str, ...]) -> tuple[np.ndarray, _Path]:
-    """The growth path of moves of the kinds ``variant``, shared by every solve on ``fx``."""
-    paths = fx.__dict__.setdefault("_paths", {})
-    if variant not in paths:
-        allowed = np.array([kind in variant for _, _, kind in fx.moves], dtype=bool)
-        paths[variant] = (allowed, _Path(fx, allowed))
-    return paths[variant]
+def _path(fx: Effects) -> tuple[np.ndarray, _Path]:
+    """The growth path of ``fx``'s moves, shared by every solve on ``fx``."""
+    if "_path" not in fx.__dict__:
+        allowed = np.array([kind in fx.kinds for _, _, kind in fx.moves], dtype=bool)
+        fx.__dict__["_path"] = (allowed, _Path(fx, allowed))
+    return fx.__dict__["_path"]
 
 
 def solve(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RECOMPUTE,),
@@ -503,7 +502,7 @@ def solve(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RE
     if sim.run({}).peak_bytes <= budget:
         return {}
     fx = Effects(sim, kinds) if effects is None else effects
-    floor = _full(sim, fx, fx.kinds)[1].peak_bytes
+    floor = _full(sim, fx)[1].peak_bytes
     if floor > budget:
         return None
     if ladder is None:

@@ -245,12 +245,8 @@ def _lone(problem: Problem) -> list[int]:
         inside = int((problem.eager[lo: lo + eff.size] + eff).max()) if eff.size else top
         outside = max(int(problem.eager[:lo].max(initial=0)), int(problem.eager[lo + eff.size:].max(initial=0)))
         peaks.append(max(inside, outside))
-    out, best = [], None
-    for o in sorted(range(len(problem.options)), key=lambda o: (peaks[o], problem.cost[o], o)):
-        if peaks[o] < top and (best is None or problem.cost[o] < best):
-            out.append(o)
-            best = problem.cost[o]
-    return out
+    alone = [(problem.cost[o], peak, o) for o, peak in enumerate(peaks) if peak < top]
+    return [o for _, _, o in _choosable(alone)]
 
 
 def _grow_verified(problem: Problem, budget: int, choice: Choice,
