@@ -561,6 +561,15 @@ class Simulator:
                 for s, own in self.own_input_packs(ui, ii).items():
                     touched[s] = None
                     holders.setdefault(s, []).append(self._copy_span(s, own, inst.t_r)[2])
+            for k, s in enumerate(inst.sids):
+                if inst.packed[k] and inst.escapes[k] and s not in shared:
+                    # what the call returns and saves stays on the device (``stay``), held by its saves until
+                    # autograd lets go of them: a storage another planned call touches (a plain call's input)
+                    # would otherwise end with that call's hold
+                    touched[s] = None
+                    own = self._packs_made_by(s, ui, ii)
+                    if own:
+                        holders.setdefault(s, []).append(self._released(s, inst.bwd_end[k], inst.t_r, own))
             base.add(self._hook_call_seconds(inst))
 
     def _hook_call_seconds(self, inst) -> float:
