@@ -560,3 +560,65 @@ def test_an_unplanned_call_brings_the_next_offloads_back(case, monkeypatch):
     assert events[:2] == ["prefetch", "replay"], events
     measured, predicted = _device_peaks(case, plan, monkeypatch)
     assert measured <= predicted, (measured, predicted)
+
+
+class _MaskedCall(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 1024)
+        self.out = torch.nn.Linear(1024, 16)
+
+    def forward(self, h, mask):
+        return self.out(torch.relu(self.fc(h)) * mask)
+
+
+class _SavesAMask(torch.nn.Module):
+    """``a`` saves a mask it is handed that has no autograd history (as attention saves a mask or position ids), and
+    ``post`` saves a lot after it, so the step peaks at the end of the forward, while that mask is still saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(16, 16)
+        self.a = _MaskedCall()
+        self.post = torch.nn.Sequential(torch.nn.Linear(16, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1))
+
+    def forward(self, x):
+        mask = (x.repeat(1, 64) > 0).to(x.dtype)
+        return self.post(self.a(self.pre(x), mask))
+
+
+def test_hooked_call_keeps_a_saved_input_without_history_on_the_device(monkeypatch):
+    """A hooked call copies to host memory only what has autograd history (``HookRun.pack``): the mask it saves
+    stays on the device until autograd lets go of it, and the plan's predicted peak counts it there
+    (``PackRecord.activation``; the simulator once freed it at the copy, 1 KiB under GPT-2's measured minimum)."""
+    torch.manual_seed(0)
+    model, x = _SavesAMask(), torch.randn(64, 16)
+    ref = copy.deepcopy(model)
+    ref(x).sum().backward()
+    plan = _hook_one(model, x)
+    prof = libra.profile(model, lambda: model(x).sum().backward())
+    model.zero_grad(set_to_none=True)
+    # without history: the step's input, saved by pre's Linear, and the mask, saved by the multiply
+    assert [p.activation for p in prof.packs].count(False) == 2
+    buffers: set = set()
+    acquire = offload_mod.HostPool.acquire
+
+    def marking(self, nbytes):
+        buf = acquire(self, nbytes)
+        buffers.add(buf.untyped_storage()._cdata)
+        return buf
+
+    monkeypatch.setattr(offload_mod.HostPool, "acquire", marking)
+    sources = _watch_copies(monkeypatch)
+    with libra.apply(model, plan):
+        for _ in range(2):  # the second step reuses the first one's buffers
+            sources.clear()
+            model.zero_grad(set_to_none=True)
+            with _DeviceMeter(buffers, extra=list(model.parameters())) as meter:
+                model(x).sum().backward()
+            assert len(sources) == 3  # a's input, the ReLU's output and the product: not the mask
+    measured = meter.peak_bytes - meter.start_bytes
+    predicted = plan.predicted_peak_bytes - prof.static_bytes
+    mask_bytes = x.numel() * 64 * x.element_size()
+    assert abs(measured - predicted) < mask_bytes // 4, (measured, predicted, mask_bytes)
+    assert_grads_equal(ref, model)

@@ -483,16 +483,26 @@ class Simulator:
         return got
 
     def own_input_packs(self, ui: int, ii: int) -> dict[int, list[int]]:
-        """Input storage -> the packs of it that instance ``ii`` of unit ``ui`` makes (inputs it saves); computed
-        once, never to be changed by the caller."""
-        out = self._own_inputs.get((ui, ii))
-        if out is None:
-            out = self._own_inputs[(ui, ii)] = {}
+        """Input storage -> the packs of it that instance ``ii`` of unit ``ui`` makes (inputs it saves), for the
+        inputs with autograd history (what a hooked call may copy to host memory); computed once, never to be
+        changed by the caller."""
+        return self._input_packs(ui, ii)[0]
+
+    def held_input_packs(self, ui: int, ii: int) -> dict[int, list[int]]:
+        """The same for the inputs it saves that have no autograd history (position ids, masks): a hooked call
+        saves them as they are, on the device (``HookRun.pack``), with or without ``offload_inputs``."""
+        return self._input_packs(ui, ii)[1]
+
+    def _input_packs(self, ui: int, ii: int) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+        got = self._own_inputs.get((ui, ii))
+        if got is None:
+            got = self._own_inputs[(ui, ii)] = ({}, {})
+            packs = self.profile.packs
             for s in self.units[ui].instances[ii].external_inputs:
                 own = self._packs_made_by(s, ui, ii)
                 if own:
-                    out[s] = own
-        return out
+                    got[0 if all(packs[pi].activation for pi in own) else 1][s] = own
+        return got
 
     def _packs_made_by(self, s: int, ui: int, ii: int) -> list[int]:
         """The packs of storage ``s`` that instance ``ii`` of unit ``ui`` makes."""
@@ -555,12 +565,14 @@ class Simulator:
             prefetch = self.prefetch_at(ui, ii, cached)
             for s, start, t_r, end in self._hooked_copies(ui, ii, shared, ui in offload_inputs):
                 self._offload_span(s, start, t_r, end, prefetch, touched, holders, extra_copies, exposed, lane)
+            # the inputs it keeps are saved on the device as in eager: held until autograd lets go of their saves
+            # (eager's free, where that comes in backward: NOTE [Release after unpack])
+            kept = dict(self.held_input_packs(ui, ii))
             if ui not in offload_inputs:
-                # the inputs it keeps are saved on the device as in eager: held until autograd lets go of their
-                # saves (eager's free, where that comes in backward: NOTE [Release after unpack])
-                for s, own in self.own_input_packs(ui, ii).items():
-                    touched[s] = None
-                    holders.setdefault(s, []).append(self._copy_span(s, own, inst.t_r)[2])
+                kept.update(self.own_input_packs(ui, ii))
+            for s, own in kept.items():
+                touched[s] = None
+                holders.setdefault(s, []).append(self._copy_span(s, own, inst.t_r)[2])
             for k, s in enumerate(inst.sids):
                 if inst.packed[k] and inst.escapes[k] and s not in shared:
                     # what the call returns and saves stays on the device (``stay``), held by its saves until

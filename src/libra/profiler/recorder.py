@@ -312,7 +312,8 @@ class Recorder(TorchDispatchMode):
         if sid < 0:
             return (-1, t)
         call = self.call_stack[-1] if self.call_stack else -1
-        self.packs.append(PackRecord(storage=sid, pack_op=len(self.ops), module_call=call))
+        self.packs.append(PackRecord(storage=sid, pack_op=len(self.ops), module_call=call,
+                                     activation=t.grad_fn is not None))
         alias = t.detach()  # never the object Python holds (NOTE [Python's hold])
         # only autograd's saved variable holds the alias (and a backward formula while it runs): it dies when the node
         # that saved it is released (NOTE [Release after unpack] in planner/regions.py)

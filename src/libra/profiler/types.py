@@ -15,11 +15,11 @@ from libra.errors import PlanFormatError
 
 __all__ = ["OpRecord", "StorageRecord", "PackRecord", "ModuleCall", "Profile", "PROFILE_SCHEMA_VERSION"]
 
-PROFILE_SCHEMA_VERSION = 6  # 2: per-op transient bytes and the allocator's own peak (NOTE [Allocator truth]);
+PROFILE_SCHEMA_VERSION = 7  # 2: per-op transient bytes and the allocator's own peak (NOTE [Allocator truth]);
 # 3: the host link's bandwidth, measured by the profiler; 4: when Python let go of each storage (StorageRecord.held_op)
 # and what each module call was handed (ModuleCall.arg_storages); 5: when autograd let go of each save
 # (PackRecord.released_op); 6: what the allocator held between ops that no storage accounts for
-# (OpRecord.untracked_bytes)
+# (OpRecord.untracked_bytes); 7: whether a saved tensor had autograd history (PackRecord.activation)
 
 
 @dataclass
@@ -74,6 +74,9 @@ class PackRecord:
     # the node that holds it is released after its backward has run, or with the graph; the step's op count if it
     # outlived the step
     released_op: int = -1
+    # the saved tensor had autograd history (a grad_fn) when saved: a hooked call copies to host memory only such
+    # inputs (runtime/region.py, HookRun.pack); position ids, masks and other tensors made without it stay put
+    activation: bool = True
 
 
 @dataclass
