@@ -630,6 +630,30 @@ class RoutedBlock(nn.Module):
         return out
 
 
+class NormedMLP(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))) * 0.5)
+
+
+class PairBlock(nn.Module):
+    """Two blocks in one: the planner checkpoints its parts, not the pair (as a Whisper decoder layer's attention
+    and MLP parts)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a = NormedMLP(d)
+        self.b = NormedMLP(d)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
 class LayerDropStack(Stack):
     """A stack whose forward skips the block ``self.skip`` (None: none), as layer drop or stochastic depth does:
     the test sets it before each step."""

@@ -32,15 +32,16 @@ _SOLVERS = ("greedy", "milp")
 SAFETY_MARGIN = 0.01
 
 # NOTE [Layers the profiled step skipped]: with layer drop (Whisper's, stochastic depth) the profiled step skips some
-# layers that later steps run. The runtime runs such a layer recomputed whole, like its planned sibling (NOTE
-# [Unprofiled siblings] in runtime/apply.py), so it holds its input (and its checkpoint's generator state) from its
-# forward to its backward, and its backward makes gradients for its parameters: bytes the profiled step never held.
-# Plans reserve them: the simulator's peak must stay that far under the budget, the named minimum and the predicted
-# peak include them. (Its replay holds what its sibling's replay holds, at a moment of the backward with no replay
-# in the profiled step, which needs no reserve.) With the inputs alone, a Whisper with layer drop 0.3 ran 0.8 MiB
-# over its minimum on the one step of ten that ran every layer: the four skipped layers' gradients. A plan that
-# recomputes none of a skipped layer's siblings (a budget near eager's peak) runs that layer eagerly, which the
-# reserve does not cover.
+# layers that later steps run. Under a plan that checkpoints anything, the runtime runs such a layer recomputed whole
+# (NOTE [Unprofiled siblings] in runtime/apply.py), where plain checkpoint replays its twin exactly, so it holds its
+# input (and its checkpoint's generator state) from its forward to its backward, and its backward makes gradients
+# for its parameters: bytes the profiled step never held. Plans reserve them: the simulator's peak must stay that far
+# under the budget, the named minimum and the predicted peak include them. (Its replay holds about what its twin
+# held in the profiled step's backward, replayed or brought back from host memory, at a moment of the backward with
+# no such twin in the profiled step, which needs no reserve.) With the inputs alone, a Whisper with layer drop 0.3
+# ran 0.8 MiB over its minimum on the one step of ten that ran every layer: the four skipped layers' gradients. A
+# layer whose twin plain checkpoint cannot replay exactly (BatchNorm statistics), or a step under a plan that
+# checkpoints nothing (a budget above eager's peak and the reserve), runs as it is, which no reserve covers.
 
 FAMILY_MAX_UNITS = 128  # selections with more units plan with the front alone (NOTE [Option family])
 

@@ -181,6 +181,52 @@ def _apply_end(ops: list, sid: int, free_op: int) -> int:
     return end
 
 
+def _forward_writes(profile: Profile) -> tuple[int, dict[int, list[int]]]:
+    """The first backward op, and storage -> the ops outside backward that write it in place."""
+    ops = profile.ops
+    first_bwd = next((i for i, o in enumerate(ops) if o.backward), len(ops))
+    writes_at: dict[int, list[int]] = {}
+    for i, o in enumerate(ops):
+        if not o.backward:
+            for s in o.writes:
+                writes_at.setdefault(s, []).append(i)
+    return first_bwd, writes_at
+
+
+def _refusals(profile: Profile, c, first_bwd: int, writes_at: dict[int, list[int]]):
+    """Why module call ``c`` cannot be replayed exactly (none: it can), its ops that write module state (local op ->
+    what they write: BatchNorm's running statistics, which a replay under plain checkpoint would write twice), the
+    storages its ops make, and the non-static ones they read that were made before it."""
+    ops, storages = profile.ops, profile.storages
+    a, b = c.start_op, c.end_op
+    reasons: list[str] = []
+    if c.kv_cache_args:  # NOTE [Key/value caches are not replayable] in _ops.py
+        reasons.append(f"it is passed a key/value cache ({', '.join(c.kv_cache_args)}) that its forward "
+                       "appends to, and a replay would append again; pass use_cache=False when training")
+    produced = [s for i in range(a, b) for s in ops[i].outputs]
+    produced_set = set(produced)
+    external = sorted({s for i in range(a, b) for s in ops[i].inputs} - produced_set)
+    protect: dict[int, list[str]] = {}
+    for i in range(a, b):
+        o = ops[i]
+        if o.collective:
+            reasons.append(f"{o.name} is a collective and is never replayed")
+        elif o.backward:
+            reasons.append("a backward pass runs inside its forward")
+        for s in o.writes:
+            if s in produced_set:
+                continue
+            if storages[s].static:
+                names = list(o.undeclared_writes) or ["self"]
+                protect[i - a] = sorted(set(protect.get(i - a, [])) | set(names))
+            else:
+                reasons.append(f"{o.name} writes in place to a tensor made before the module ran")
+    for s in external:
+        if not storages[s].static and any(b <= w < first_bwd for w in writes_at.get(s, [])):
+            reasons.append("one of its inputs is changed in place later in the forward")
+    return reasons, protect, produced, external
+
+
 def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], dict[int, str]]:
     """Finds the checkpointable regions of a profile.
 
@@ -192,18 +238,13 @@ def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], di
         The decision units, and for module calls that were rejected, why (index into module_calls -> reason).
     """
     ops = profile.ops
-    n = len(ops)
-    first_bwd = next((i for i, o in enumerate(ops) if o.backward), n)
+    first_bwd, writes_at = _forward_writes(profile)
     storages = profile.storages
     fwd_uses: dict[int, list[int]] = {}
-    writes_at: dict[int, list[int]] = {}
     for i, o in enumerate(ops):
-        if o.backward:
-            continue
-        for s in o.inputs:
-            fwd_uses.setdefault(s, []).append(i)
-        for s in o.writes:
-            writes_at.setdefault(s, []).append(i)
+        if not o.backward:
+            for s in o.inputs:
+                fwd_uses.setdefault(s, []).append(i)
     calls = profile.module_calls
     kids = _children(profile)
     packs_by_call: dict[int, list[int]] = {}
@@ -233,31 +274,8 @@ def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], di
         ci = todo.pop()
         c = calls[ci]
         a, b = c.start_op, c.end_op
-        reasons: list[str] = []
-        if c.kv_cache_args:  # NOTE [Key/value caches are not replayable] in _ops.py
-            reasons.append(f"it is passed a key/value cache ({', '.join(c.kv_cache_args)}) that its forward "
-                           "appends to, and a replay would append again; pass use_cache=False when training")
-        produced = [s for i in range(a, b) for s in ops[i].outputs]
+        reasons, protect, produced, external = _refusals(profile, c, first_bwd, writes_at)
         produced_set = set(produced)
-        external = sorted({s for i in range(a, b) for s in ops[i].inputs} - produced_set)
-        protect: dict[int, list[str]] = {}
-        for i in range(a, b):
-            o = ops[i]
-            if o.collective:
-                reasons.append(f"{o.name} is a collective and is never replayed")
-            elif o.backward:
-                reasons.append("a backward pass runs inside its forward")
-            for s in o.writes:
-                if s in produced_set:
-                    continue
-                if storages[s].static:
-                    names = list(o.undeclared_writes) or ["self"]
-                    protect[i - a] = sorted(set(protect.get(i - a, [])) | set(names))
-                else:
-                    reasons.append(f"{o.name} writes in place to a tensor made before the module ran")
-        for s in external:
-            if not storages[s].static and any(b <= w < first_bwd for w in writes_at.get(s, [])):
-                reasons.append("one of its inputs is changed in place later in the forward")
         region_packs = packs_within(ci)
         if not region_packs and not reasons:
             reasons.append("autograd saves nothing inside it")
@@ -382,10 +400,13 @@ def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], di
 def unprofiled_siblings(profile: Profile) -> dict[str, int]:
     """NOTE [Unprofiled siblings] (runtime/apply.py), seen from the profile: modules the profiled step never called
     whose container holds a sibling with the same parameters (relative names, shapes, dtypes) that it did call,
-    as layer drop leaves them. Returns fqn -> index of the called sibling's first module call.
+    as layer drop leaves them, and whose sibling's call plain checkpoint replays exactly (it writes no module state
+    and no tensor made before it, hands no generator to a random op). Returns fqn -> index of the called sibling's
+    first module call.
 
-    Later steps that run such a module run it recomputed whole (plain checkpoint) when the plan recomputes a sibling,
-    holding its input until its backward: memory the profiled step never needed (:func:`unprofiled_reserve_bytes`)."""
+    Later steps that run such a module under a plan run it recomputed whole (plain checkpoint), holding its input
+    until its backward: memory the profiled step never needed (:func:`unprofiled_reserve_bytes`). One whose sibling
+    cannot be replayed exactly (BatchNorm's statistics) runs as it is, keeping its activations."""
     params: dict[str, dict[str, tuple]] = {}  # module fqn (a container's child) -> its parameters, relative
     for name, shape, dtype in profile.parameters:
         parts = name.split(".")
@@ -409,7 +430,14 @@ def unprofiled_siblings(profile: Profile) -> dict[str, int]:
             twin = next((d for d in done if params[d] == params[fqn]), None)
             if twin is not None:
                 out[fqn] = first_call[twin]
-    return out
+    first_bwd, writes_at = _forward_writes(profile)
+
+    def exact(ci: int) -> bool:
+        c = profile.module_calls[ci]
+        reasons, protect, _, _ = _refusals(profile, c, first_bwd, writes_at)
+        return not reasons and not protect and not any(profile.ops[i].generator for i in range(c.start_op, c.end_op))
+
+    return {fqn: ci for fqn, ci in out.items() if exact(ci)}
 
 
 def unprofiled_reserve_bytes(profile: Profile, siblings: dict[str, int]) -> int:
@@ -417,8 +445,10 @@ def unprofiled_reserve_bytes(profile: Profile, siblings: dict[str, int]) -> int:
     :func:`unprofiled_siblings`) names: for each, its input, as its called sibling's (the non-static storages its
     ops read that were made before it began), held from its forward to its backward; the generator state its
     checkpoint stashes (NOTE [RNG state] in simulate.py); and the gradients of its parameters, which the profiled
-    step never made (counted as the bytes of its parameters and buffers: the profile does not tell them apart)."""
-    total = 0
+    step never made (counted as the bytes of its parameters and buffers: the profile does not tell them apart). And
+    once, the largest replay among them: what its sibling's call saved, recomputed at once in its backward, where
+    the plan may have replayed its sibling in parts or not at all (NOTE [Layers the profiled step skipped])."""
+    total = replay = 0
     for fqn, ci in siblings.items():
         call = profile.module_calls[ci]
         total += profile.rng_state_bytes
@@ -431,4 +461,7 @@ def unprofiled_reserve_bytes(profile: Profile, siblings: dict[str, int]) -> int:
                     total += rec.nbytes
         total += sum(math.prod(shape) * getattr(torch, dtype.removeprefix("torch.")).itemsize
                      for name, shape, dtype in profile.parameters if name.startswith(fqn + "."))
-    return total
+        saved = {p.storage for p in profile.packs if call.start_op < p.pack_op <= call.end_op}
+        replay = max(replay, sum(profile.storages[s].nbytes for s in saved
+                                 if not profile.storages[s].static and profile.storages[s].alloc_op >= call.start_op))
+    return total + replay

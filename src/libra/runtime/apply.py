@@ -74,14 +74,14 @@ class _RegionForward:
                 trigger = TriggerRun(self.fqn, self.forward)
                 self.session.track(trigger, key)
                 return trigger.run(*args, **kwargs)
-            sibling = self.session.unprofiled.get(self.fqn)
-            if sibling is None:
+            why = self.session.unprofiled.get(self.fqn)
+            if why is None:
                 return self.forward(*args, **kwargs)
             # NOTE [Unprofiled siblings]
             self.session.note_once(
                 ("unprofiled", self.fqn),
                 "libra: %r ran, which the profiled step did not call (layer drop?); recomputing it whole (plain "
-                "checkpoint), as its planned sibling %r is.", self.fqn, sibling, level=logging.INFO,
+                "checkpoint), %s.", self.fqn, why, level=logging.INFO,
             )
             return self._plain(args, kwargs)
         shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
@@ -354,16 +354,25 @@ class _Session:
     def _unprofiled_siblings(self, plan: Plan) -> dict[str, str]:
         """NOTE [Unprofiled siblings]: layer drop (Whisper's, or stochastic depth) skips other layers each step; a
         layer the profiled step skipped has no plan and kept all its activations (a Whisper with layer drop 0.3
-        ran over eager's own peak at a 50% budget). Such a module, of the same class as a sibling in the same
-        container that the plan recomputes and that plain checkpoint recomputes exactly (``plain_ok``), runs under
-        plain checkpoint, recomputed whole. Which modules the profiled step never called the planner read from the
-        profile (``Plan.unprofiled``); a plan file from before that field counts every module no decision names (it
-        also counted profiled modules that save nothing, whose plain checkpoint then ran over the budget by one
-        RNG state and their inputs). Returns fqn -> the planned sibling's fqn."""
+        ran over eager's own peak at a 50% budget). The planner names the modules the profiled step never called
+        whose called twin plain checkpoint replays exactly (``Plan.unprofiled``) and reserves what each holds under
+        plain checkpoint; under a plan that checkpoints anything, such a module runs under plain checkpoint,
+        recomputed whole. (It once ran so only beside a sibling region of its own class: a Whisper decoder layer,
+        planned as its attention and MLP parts, then ran as it is and measured 8.3 MiB over its budget.) A plan
+        file from before that field counts every module no decision names that has a planned sibling of its class
+        that plain checkpoint may replay (it also counted profiled modules that save nothing, whose plain checkpoint
+        then ran over the budget by one RNG state and their inputs). Returns fqn -> why it runs so, for the log."""
         modules = dict(self.model.named_modules())
         planned = {r.module for r in plan.regions}
         seen = {key.split(":", 1)[0] for key in plan.decisions}
         out: dict[str, str] = {}
+        if plan.unprofiled is not None:
+            if plan.regions:
+                for fqn in plan.unprofiled:
+                    if fqn in modules and fqn not in planned and not any(
+                            s == fqn or s.startswith(fqn + ".") for s in seen):
+                        out[fqn] = "as the plan's budget reserves for it"
+            return out
         for r in plan.regions:
             if not r.plain_ok or "." not in r.module or r.module not in modules:
                 continue
@@ -376,11 +385,9 @@ class _Session:
                 fqn = f"{parent_fqn}.{name}"
                 if type(child) is not kind or fqn in planned or fqn in out:
                     continue
-                if plan.unprofiled is not None and fqn not in plan.unprofiled:
-                    continue
                 if any(s == fqn or s.startswith(fqn + ".") for s in seen):
                     continue
-                out[fqn] = r.module
+                out[fqn] = f"as its planned sibling {r.module!r} is"
         return out
 
     def _wrap(self, plan: Plan) -> None:
