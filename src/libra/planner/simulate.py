@@ -98,13 +98,19 @@ class _UnitRecord:
     __slots__ = ("touched", "holders", "copies", "bursts", "held", "base", "lane", "exposed", "offloads")
 
     def __init__(self) -> None:
-        self.touched: list[int] = []
-        self.holders: list[tuple[int, int]] = []
+        self.touched: dict[int, None] = {}  # an ordered set
+        self.holders: dict[int, int] = {}  # storage -> the latest end of the unit's holders of it (_hold)
         self.copies: list[list[int]] = []
         self.bursts: list[tuple[int, int, int]] = []
         self.held: list[tuple[int, int, int, int]] = []
         self.base = self.lane = self.exposed = 0  # _ExactSum totals
         self.offloads: list[tuple[int, int, float, int]] = []  # (instance, storage, seconds each way, end of copy)
+
+
+def _hold(holders: dict[int, int], s: int, end: int) -> None:
+    """Storage ``s`` has one more holder, until op ``end``: only the latest end matters."""
+    if end > holders.get(s, end - 1):
+        holders[s] = end
 
 
 @dataclass
@@ -237,16 +243,20 @@ class Simulator:
         self._recent: dict[tuple, tuple[np.ndarray, float]] = {}
         self._unit_times: dict[tuple[int, frozenset[int]], tuple] = {}
         self._records: dict[tuple[int, frozenset[int]], _UnitRecord] = {}
-        # storage -> (end, saving instance or None) of each save of it. A save holds its storage until autograd
-        # releases the node that holds it, which the profiler records (NOTE [Release after unpack] in regions.py).
-        # Profiles made by hand have no record: for the save unpacked last, the storage's eager free stands in, for
-        # the others their last unpack.
+        self._replays: dict[tuple, tuple[tuple | None, int]] = {}  # _replay's, per call and kept set
+        # What holds each storage whatever the plan, for _plan's per-storage loop: its allocation, Python's last use
+        # and the saves made outside every unit (``_fixed_end``), then the saves units make, latest first, as (end,
+        # saving instance). A save holds its storage until autograd releases the node that holds it, which the
+        # profiler records (NOTE [Release after unpack] in regions.py). Profiles made by hand have no record: for the
+        # save unpacked last, the storage's eager free stands in, for the others their last unpack.
         packs = profile.packs
-        self._saves: list[list[tuple[int, tuple[int, int] | None]]] = []
+        self._fixed_end: list[int] = []
+        self._owned_saves: list[tuple[tuple[int, tuple[int, int]], ...]] = []
         for s in range(len(st)):
             pis = self.packs_of.get(s, ())
             last = max((self.pack_end[pi] for pi in pis), default=-1)
-            ends = []
+            fixed = max(int(self.alloc[s]), int(self.python_end[s]))
+            owned = []
             for pi in pis:
                 if packs[pi].released_op >= 0:
                     end = packs[pi].released_op
@@ -254,8 +264,13 @@ class Simulator:
                     end = max(last, self.free[s])
                 else:
                     end = self.pack_end[pi]
-                ends.append((end, self.pack_owner.get(pi)))
-            self._saves.append(ends)
+                owner = self.pack_owner.get(pi)
+                if owner is None:
+                    fixed = max(fixed, int(end))
+                else:
+                    owned.append((int(end), owner))
+            self._fixed_end.append(fixed)
+            self._owned_saves.append(tuple(sorted(owned, reverse=True)))
         self._exact_ops: dict[int, list[int]] = {}
         self._own_inputs: dict[tuple[int, int], dict[int, list[int]]] = {}
         # plain-Python copies for the per-storage loops (numpy scalar indexing is slow)
@@ -289,8 +304,8 @@ class Simulator:
         instead that region's frame holds its inputs, and Libra's cache the outputs of saved ops, until the
         region's last unpack. The forward copy of a storage lives until the last of its remaining holders.
 
-        Returns ``(intervals, copies, bursts, held, seconds)``: storage -> its one live interval ``[start, end]`` for
-        every storage the plan touches; extra copies ``[start, end, storage]`` (a cache clone, a replayed escaping
+        Returns ``(ends, copies, bursts, held, seconds)``: storage -> the end of its one live interval (it starts
+        where eager allocates it) for every storage the plan touches; extra copies ``[start, end, storage]`` (a cache clone, a replayed escaping
         storage, a prefetched offload); ``(op, bytes, unit)`` replay peaks above the live bytes after ``op``
         (NOTE [Replay moment]); ``(start, end, bytes, unit)`` bytes a region call holds that are no storage of the
         profile (NOTE [RNG state]); and the added seconds. The cost is linear in
@@ -303,7 +318,7 @@ class Simulator:
         exposed = _ExactSum()
         lane = _ExactSum()
         active = {(ui, ii) for ui in state for ii in range(len(self.units[ui].instances))}
-        holders: dict[int, list[int]] = {}  # storage -> ends of its holders that the plan adds
+        holders: dict[int, int] = {}  # storage -> the latest end of the holders the plan adds (_hold)
         touched: dict[int, None] = {}
         shared, offload_inputs = self.hook_sharing(state)
         for s, owners in shared.items():  # NOTE [Shared hooked storages]: one copy for all its calls
@@ -317,33 +332,31 @@ class Simulator:
                              offload_inputs)
                 continue
             rec = self._unit_record(ui, cached)
-            for s in rec.touched:
-                touched[s] = None
-            for s, e in rec.holders:
-                holders.setdefault(s, []).append(e)
+            touched.update(rec.touched)
+            for s, e in rec.holders.items():
+                if e > holders.get(s, e - 1):
+                    holders[s] = e
             extra_copies.extend(rec.copies)
             bursts.extend(rec.bursts)
             held.extend(rec.held)
             base.total += rec.base
             lane.total += rec.lane
             exposed.total += rec.exposed
-        intervals: dict[int, tuple[int, int]] = {}
-        alloc, python_end, saves = self._alloc, self._python_end, self._saves
+        ends: dict[int, int] = {}
+        fixed, owned = self._fixed_end, self._owned_saves
         for s in touched:
-            a = alloc[s]
-            end = python_end[s]
-            if a > end:
-                end = a
+            end = fixed[s]
             h = holders.get(s)
-            if h:
-                e = max(h)
-                if e > end:
+            if h is not None and h > end:
+                end = h
+            for e, owner in owned[s]:  # saves made outside the plan's regions still hold it
+                if e <= end:
+                    break
+                if owner not in active:
                     end = e
-            for e, owner in saves[s]:  # saves made outside the plan's regions still hold it
-                if e > end and owner not in active:
-                    end = e
-            intervals[s] = (a, end)
-        return intervals, extra_copies, bursts, held, (base.value(), exposed.value(), lane.value())
+                    break
+            ends[s] = end
+        return ends, extra_copies, bursts, held, (base.value(), exposed.value(), lane.value())
 
     def added_seconds(self, terms):
         """The added seconds of a plan's ``(base, exposed, lane)`` terms (floats, or arrays of them): copies run on
@@ -386,12 +399,12 @@ class Simulator:
                                 if ops[inst.start + local].random and not ops[inst.start + local].generator)
             producer = inst.producer
             for k, s in enumerate(inst.sids):
-                rec.touched.append(s)
+                rec.touched[s] = None
                 local = producer[k]
                 if local in offloaded:
                     seconds = nb[s] / self.host_bandwidth
                     done = bisect.bisect_left(op_time, op_time[alloc[s]] + seconds)
-                    rec.holders.append((s, min(done, n)))
+                    _hold(rec.holders, s, min(done, n))
                     if inst.t_r >= 0:  # copied back: _copies_back
                         rec.offloads.append((ii, s, seconds, max(last, inst.bwd_end[k])))
                     lane.add(2 * seconds)
@@ -402,12 +415,12 @@ class Simulator:
                             # and the replay, which writes it again, gets a clone of that clone
                             rec.copies.append([inst.t_r, inst.bwd_end[k], s])
                     else:
-                        rec.holders.append((s, last))
+                        _hold(rec.holders, s, last)
                 elif inst.packed[k] and inst.t_r >= 0 and inst.bwd_end[k] >= inst.t_r:
                     rec.copies.append([inst.t_r, inst.bwd_end[k], s])
             for s in inst.external_inputs:
-                rec.touched.append(s)
-                rec.holders.append((s, last))
+                rec.touched[s] = None
+                _hold(rec.holders, s, last)
             if inst.t_r >= 0:
                 self._replay(ui, ii, saved, rec.bursts, base, plain, rng)
             base.add((inst.end - inst.start) * per_op + per_call)
@@ -550,7 +563,7 @@ class Simulator:
         seconds = self._nbytes[s] / self.host_bandwidth
         touched[s] = None
         done = bisect.bisect_left(self._op_time, self._op_time[start] + seconds)
-        holders.setdefault(s, []).append(min(done, self.n))
+        _hold(holders, s, min(done, self.n))
         if end >= t_r:
             extra_copies.append([prefetch, end, s])
         exposed.add(max(0.0, seconds - (self._op_time[t_r] - self._op_time[prefetch])))
@@ -572,7 +585,7 @@ class Simulator:
                 kept.update(self.own_input_packs(ui, ii))
             for s, own in kept.items():
                 touched[s] = None
-                holders.setdefault(s, []).append(self._copy_span(s, own, inst.t_r)[2])
+                _hold(holders, s, self._copy_span(s, own, inst.t_r)[2])
             for k, s in enumerate(inst.sids):
                 if inst.packed[k] and inst.escapes[k] and s not in shared:
                     # what the call returns and saves stays on the device (``stay``), held by its saves until
@@ -581,7 +594,7 @@ class Simulator:
                     touched[s] = None
                     own = self._packs_made_by(s, ui, ii)
                     if own:
-                        holders.setdefault(s, []).append(self._released(s, inst.bwd_end[k], inst.t_r, own))
+                        _hold(holders, s, self._released(s, inst.bwd_end[k], inst.t_r, own))
             base.add(self._hook_call_seconds(inst))
 
     def _hook_call_seconds(self, inst) -> float:
@@ -609,8 +622,18 @@ class Simulator:
         positive (charging it on top of op ``t_r``'s outputs over-counted a U-Net's minimum by one 8 MiB gradient;
         on top of the point after ``t_r - 1``, by what that op freed). The replay runs the module's own Python, so
         what held a storage in the forward holds it again: an unsaved storage lives to its eager end, within the
-        replay.
+        replay. Remembered per call and kept set (options that differ only in where kept outputs live share it).
         """
+        key = (ui, ii, frozenset(saved), plain, rng)
+        got = self._replays.get(key)
+        if got is None:
+            got = self._replays[key] = self._replay_of(ui, ii, saved, plain, rng)
+        burst, total = got
+        if burst is not None:
+            bursts.append(burst)
+        seconds.total += total
+
+    def _replay_of(self, ui: int, ii: int, saved: set[int], plain: bool, rng: int) -> tuple[tuple | None, int]:
         unit = self.units[ui]
         inst = unit.instances[ii]
         nb = self._nbytes
@@ -641,9 +664,9 @@ class Simulator:
         # (it runs before op t_r): the point stands for the larger of the two moments; what the op before it left
         # untracked does (NOTE [Untracked bytes])
         extra = peak - kept - self._allocated_at[inst.t_r] - transient[inst.t_r] + untracked[inst.t_r - 1]
-        if extra > 0:
-            bursts.append((inst.t_r, extra, ui))
+        seconds = _ExactSum()
         self._replay_seconds(ui, ii, saved, seconds, plain)
+        return ((inst.t_r, extra, ui) if extra > 0 else None), seconds.total
 
     def _replay_seconds(self, ui: int, ii: int, saved: set[int], seconds: "_ExactSum", plain: bool = False) -> None:
         inst = self.units[ui].instances[ii]
@@ -731,13 +754,13 @@ class Simulator:
     def changes_and_terms(self, state: State) -> tuple[np.ndarray, np.ndarray, tuple[float, float, float]]:
         """:meth:`changes`, with the added seconds as their ``(base, exposed, lane)`` terms (:meth:`added_seconds`):
         each sums over the units of ``state`` (NOTE [Prefetch]), but the busy lane is one for all."""
-        intervals, copies, bursts, held, terms = self._plan(state)
+        held_until, copies, bursts, held, terms = self._plan(state)
         n = self.n
         # spans [start, end] of added bytes: each adds them at its start and takes them off after its end
         starts, ends, sizes = [], [], []
-        if intervals:
-            sids = np.fromiter(intervals.keys(), dtype=np.int64, count=len(intervals))
-            end = np.minimum(np.fromiter((e for _, e in intervals.values()), dtype=np.int64, count=len(sids)), n)
+        if held_until:
+            sids = np.fromiter(held_until.keys(), dtype=np.int64, count=len(held_until))
+            end = np.minimum(np.fromiter(held_until.values(), dtype=np.int64, count=len(sids)), n)
             moved = end != self.free[sids]  # the start is eager's; only the end moves
             starts.append(self.free[sids[moved]] + 1)
             ends.append(end[moved])
@@ -798,11 +821,10 @@ class Simulator:
     def live_at(self, state: State, t: int) -> list[tuple[int, int]]:
         """(storage id, bytes) of every storage live at op ``t`` under ``state``, largest first (replays that run
         after op ``t`` are not storages of the timeline: :meth:`replays_at`)."""
-        intervals, copies, _, _, _ = self._plan(state)
+        held_until, copies, _, _, _ = self._plan(state)
         out = []
         for s in range(len(self.nbytes)):
-            a, e = intervals.get(s, (int(self.alloc[s]), int(self.free[s])))
-            if a <= t <= e:
+            if self._alloc[s] <= t <= held_until.get(s, self._free[s]):
                 out.append((s, int(self.nbytes[s])))
         for a, e, src in copies:
             if a <= t <= e:

@@ -172,6 +172,7 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tup
     estimate still fits, cheapest with the other units' choices as they are (a busy host link makes an offload that
     is cheap alone dear); checked by the simulator (NOTE [Option family cost]). Whole units go first: a unit moved
     to a cheaper option can spend the slack that dropping another, dearer in all, needed."""
+    # the curve stays within the budget after every step, so a step checks only the span it changes
     curve = np.array(live[: problem.n_t], dtype=np.int64)
     drops: list[tuple[int, int | None]] = []
     _, unit_terms = _arrays(problem, choice)
@@ -180,7 +181,7 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tup
     for ui in order:
         lo, eff = problem.span(choice[ui])
         curve[lo: lo + eff.size] -= eff
-        if curve.max() <= budget:
+        if not eff.size or curve[lo: lo + eff.size].max() <= budget:
             drops.append((ui, None))
             unit_terms[ui] = 0.0
         else:
@@ -190,8 +191,9 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tup
         cur = choice[ui]
         lo, eff = problem.span(cur)
         curve[lo: lo + eff.size] -= eff
-        top = int(np.argmax(curve))  # over the budget there, an option must take bytes off at this op
-        over = int(curve[top]) - budget
+        # over the budget only in the span: an option must take bytes off at its highest op
+        top = lo + int(np.argmax(curve[lo: lo + eff.size])) if eff.size else 0
+        over = int(curve[top]) - budget if eff.size else 0
         taken: tuple[int | None, int, np.ndarray] = (cur, lo, eff)
         if over <= 0:  # no option at all (the others moved since the first pass)
             drops.append((ui, None))
@@ -199,8 +201,12 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tup
         else:
             mine = problem.unit_options(ui)
             able = mine[problem.values_at(top)[mine] <= -over]
-            added = dict(zip(able.tolist(), _added(problem, unit_terms, able).tolist())) if able.size else {}
-            cheaper = sorted((o for o, a in added.items() if a < 0), key=lambda o: (added[o], o))
+            cheaper: list[int] = []
+            if able.size:  # the options that take the bytes off and cost less, cheapest first (then by index)
+                added = _added(problem, unit_terms, able)
+                less = added < 0
+                if less.any():
+                    cheaper = able[less][np.lexsort((able[less], added[less]))].tolist()
             # the curve's largest value up to each op and from each op on, to check an option outside its effect
             upto = np.maximum.accumulate(curve) if cheaper else None
             after = np.maximum.accumulate(curve[::-1])[::-1] if cheaper else None
@@ -295,14 +301,16 @@ class Family:
 
     def _build(self) -> list[tuple[float, int, State]]:
         pr, sim = self.problem, self.problem.sim
-        found: dict[tuple, tuple[float, int, Choice]] = {}  # (simulated added seconds, simulated peak, choice)
+        # (simulated added seconds, simulated peak, choice, simulated curve): the gap fills trim members again
+        found: dict[tuple, tuple[float, int, Choice, np.ndarray]] = {}
 
         def add(choice: Choice) -> bool:
             key = tuple(sorted(choice.items()))
             if key in found:
                 return False
-            r = sim.run(pr.state(choice))
-            found[key] = (r.added_seconds, r.peak_bytes, dict(choice))  # the rungs' growth goes on in choice
+            live, added = sim.live(pr.state(choice))
+            # the rungs' growth goes on in choice: the member is a copy
+            found[key] = (added, int(live.max()), dict(choice), live)
             return True
 
         lowest = int(pr.eager.max())
@@ -334,7 +342,7 @@ class Family:
         for _ in range(FILL_ROUNDS):
             new = False
             choosable = _choosable(list(found.values()))
-            for (_, low_peak, low), (_, peak, choice) in zip(choosable, choosable[1:]):
+            for (_, low_peak, low, low_live), (_, peak, choice, _) in zip(choosable, choosable[1:]):
                 if (low_peak, peak) in done:
                     continue
                 done.add((low_peak, peak))
@@ -342,11 +350,10 @@ class Family:
                 live, _ = _grow_verified(pr, peak - 1, trial, Curve(pr, pr.estimate(trial)))
                 if live is not None:
                     new |= add(trim(pr, peak - 1, trial, live)[0])
-                live, _ = sim.live(pr.state(low))
-                new |= add(trim(pr, peak - 1, low, live)[0])
+                new |= add(trim(pr, peak - 1, low, low_live)[0])
             if not new:
                 break
-        members = [(added, peak, pr.state(choice)) for added, peak, choice in found.values()]
+        members = [(added, peak, pr.state(choice)) for added, peak, choice, _ in found.values()]
         return sorted(members, key=lambda m: (m[0], m[1], len(m[2])))
 
     def solve(self, budget: int) -> State | None:
