@@ -451,10 +451,9 @@ class _DeviceMeter(LiveBytesMeter):
             super()._track(t)
 
 
-def _device_peaks(case, plan, monkeypatch) -> tuple[int, int]:
-    """(measured, predicted) peak bytes of two steps under ``plan`` above what was live when the step began (other
-    tests of this module may leave tensors behind), measured by a meter that counts everything but the offload
-    pool's host buffers."""
+def _pool_buffers(monkeypatch) -> set:
+    """The storages of every host buffer the offload pool hands out from now on, as :class:`_DeviceMeter` takes
+    them."""
     buffers: set = set()
     acquire = offload_mod.HostPool.acquire
 
@@ -464,6 +463,14 @@ def _device_peaks(case, plan, monkeypatch) -> tuple[int, int]:
         return buf
 
     monkeypatch.setattr(offload_mod.HostPool, "acquire", marking)
+    return buffers
+
+
+def _device_peaks(case, plan, monkeypatch) -> tuple[int, int]:
+    """(measured, predicted) peak bytes of two steps under ``plan`` above what was live when the step began (other
+    tests of this module may leave tensors behind), measured by a meter that counts everything but the offload
+    pool's host buffers."""
+    buffers = _pool_buffers(monkeypatch)
     model = case.ours
     with libra.apply(model, plan):
         for step in range(2):  # the second step reuses the first one's buffers
@@ -600,15 +607,7 @@ def test_hooked_call_keeps_a_saved_input_without_history_on_the_device(monkeypat
     model.zero_grad(set_to_none=True)
     # without history: the step's input, saved by pre's Linear, and the mask, saved by the multiply
     assert [p.activation for p in prof.packs].count(False) == 2
-    buffers: set = set()
-    acquire = offload_mod.HostPool.acquire
-
-    def marking(self, nbytes):
-        buf = acquire(self, nbytes)
-        buffers.add(buf.untyped_storage()._cdata)
-        return buf
-
-    monkeypatch.setattr(offload_mod.HostPool, "acquire", marking)
+    buffers = _pool_buffers(monkeypatch)
     sources = _watch_copies(monkeypatch)
     with libra.apply(model, plan):
         for _ in range(2):  # the second step reuses the first one's buffers
