@@ -575,6 +575,44 @@ def test_a_dropped_layer_whose_twin_is_planned_in_parts_is_recomputed_whole(capl
     assert any("'blocks.2' ran, which the profiled step did not call" in r.getMessage() for r in caplog.records)
 
 
+def test_a_dropped_layer_is_reserved_where_a_later_step_holds_it():
+    """NOTE [Layers the profiled step skipped]: block 2, skipped by the profiled step, is reserved for where it would
+    run between blocks 1 and 3: its input from block 0's forward on, its gradients from the backward on, and its
+    replay at one point, right before block 1's backward begins (block 3's is over by then). Charged at every op
+    instead, a Whisper with layer drop planned its minimum at 78% of its activations and ran 10.5 MiB under it."""
+    from libra.planner.regions import unprofiled_reserve, unprofiled_siblings
+
+    torch.manual_seed(0)
+    model = am.LayerDropStack(am.MLPBlock, depth=6)
+    model.skip = 2
+    x, y = features()
+    prof = libra.profile(model, lambda: ce_step(model, (x, y)))
+    calls = {c.module: c for c in prof.module_calls}
+    siblings = unprofiled_siblings(prof)
+    assert list(siblings) == ["blocks.2"]
+    spans = unprofiled_reserve(prof, siblings)
+    one = calls["blocks.1"]
+    saved = [p for p in prof.packs if one.start_op < p.pack_op <= one.end_op]
+    before_block_1 = min(p.first_unpack for p in saved) - 1
+    replay = sum(prof.storages[s].nbytes for s in {p.storage for p in saved}
+                 if not prof.storages[s].static and prof.storages[s].alloc_op >= one.start_op)
+    assert (before_block_1, before_block_1, replay) in spans
+    first_backward = next(i for i, o in enumerate(prof.ops) if o.backward)
+    grads = sum(p.numel() * p.element_size() for p in model.blocks[2].parameters())
+    assert (first_backward, len(prof.ops), grads) in spans
+    with torch.no_grad():
+        width = model.inp(x)  # what each block is handed
+    held = [sp for sp in spans if sp[0] == calls["blocks.0"].start_op]
+    assert held == [(calls["blocks.0"].start_op, held[0][1], width.nbytes + prof.rng_state_bytes)]
+    assert held[0][1] >= max(p.last_unpack for p in saved)  # to the end of the blocks' backward
+    # the simulator draws them on every curve: the plan of nothing is eager's curve plus the spans
+    planning = Planning(prof)
+    live, _ = planning.sim.live({})
+    bare, _ = Simulator(prof, planning.units).live({})
+    extra = live - bare
+    assert extra[before_block_1] - extra[before_block_1 + 1] == replay and extra.max() == planning.reserve_bytes
+
+
 def test_data_dependent_branch_and_loop(caplog):
     # other batches take other branches and trip counts than the profiled one: each call that leaves the profiled
     # op sequence recomputes the rest of its ops (logged; NOTE [Leaving the profiled ops]), and the replay of a call

@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
+
 from libra.errors import BudgetInfeasibleError, LibraError
 from libra.planner.problem import Problem
-from libra.planner.regions import GRANULARITIES, analyse, unprofiled_reserve_bytes, unprofiled_siblings
+from libra.planner.regions import GRANULARITIES, analyse, unprofiled_reserve, unprofiled_siblings
 from libra.planner.simulate import EARLY, PLAIN, SimResult, Simulator, State, is_hooked, kept_split
 from libra.planner.solvers import front, greedy, milp, options
 from libra.planner.types import PLAN_SCHEMA_VERSION, Decision, Plan, RegionPlan
@@ -34,14 +36,18 @@ SAFETY_MARGIN = 0.01
 # NOTE [Layers the profiled step skipped]: with layer drop (Whisper's, stochastic depth) the profiled step skips some
 # layers that later steps run. Under a plan that checkpoints anything, the runtime runs such a layer recomputed whole
 # (NOTE [Unprofiled siblings] in runtime/apply.py), where plain checkpoint replays its twin exactly, so it holds its
-# input (and its checkpoint's generator state) from its forward to its backward, and its backward makes gradients
-# for its parameters: bytes the profiled step never held. Plans reserve them: the simulator's peak must stay that far
-# under the budget, the named minimum and the predicted peak include them. (Its replay holds about what its twin
-# held in the profiled step's backward, replayed or brought back from host memory, at a moment of the backward with
-# no such twin in the profiled step, which needs no reserve.) With the inputs alone, a Whisper with layer drop 0.3
-# ran 0.8 MiB over its minimum on the one step of ten that ran every layer: the four skipped layers' gradients. A
-# layer whose twin plain checkpoint cannot replay exactly (BatchNorm statistics), or a step under a plan that
-# checkpoints nothing (a budget above eager's peak and the reserve), runs as it is, which no reserve covers.
+# input (and its checkpoint's generator state) from its forward to its backward, its backward replays it whole, and
+# makes gradients for its parameters: bytes the profiled step never held. Plans reserve them where a later step would
+# hold them (``regions.unprofiled_reserve``): spans added to every curve the simulator draws, so the planner's peak,
+# the named minimum and the predicted peak include them. The layer runs between its called siblings, so its input is
+# held from the first sibling's forward to the end of their ancestor's backward, its gradients live from the start of
+# that backward on, and its replay falls between its neighbours' backward, right before the one before it in the
+# forward begins. With the inputs alone, a Whisper with layer drop 0.3 ran 0.8 MiB over its minimum on the one step of
+# ten that ran every layer (the skipped layers' gradients); with a stack of pairs planned in parts and no replay
+# reserved, 1.0 MiB (the dropped pair's replay, whole); with all of it charged at every op of the step (until
+# 2026-12-07), the Whisper's minimum was 78% of its activations and its steps ran 10.5 MiB under. A layer whose twin
+# plain checkpoint cannot replay exactly (BatchNorm statistics), or a step under a plan that checkpoints nothing (a
+# budget above eager's peak with the reserve), runs as it is, which no reserve covers.
 
 FAMILY_MAX_UNITS = 128  # selections with more units plan with the front alone (NOTE [Option family])
 
@@ -68,11 +74,12 @@ class Selection:
     """One choice of regions over a profile (NOTE [Region granularity] in ``regions.py``): its decision units, their
     simulator, and the solvers' measured effects, built when first asked for."""
 
-    def __init__(self, profile: Profile, granularity: str, host_bandwidth: float | None, kinds: tuple) -> None:
+    def __init__(self, profile: Profile, granularity: str, host_bandwidth: float | None, kinds: tuple,
+                 reserve: list[tuple[int, int, int]] = ()) -> None:
         self.granularity = granularity
         self.kinds = kinds
         self.units, self.rejected = analyse(profile, granularity)
-        self.sim = Simulator(profile, self.units, host_bandwidth)
+        self.sim = Simulator(profile, self.units, host_bandwidth, reserve)
         self._effects: greedy.Effects | None = None
         self._problem: Problem | None = None
         self._family: options.Family | None = None
@@ -212,18 +219,24 @@ class Planning:
                 f"(its device is {profile.device}). Fix: pass host_bandwidth=... in bytes per second."
             )
         self.kinds = tuple(kinds)
+        # NOTE [Layers the profiled step skipped]
+        siblings = unprofiled_siblings(profile)
+        self.unprofiled = sorted(siblings)
+        reserve = unprofiled_reserve(profile, siblings)
         self.selections: list[Selection] = []
         for granularity in self.granularities:
-            sel = Selection(profile, granularity, self.host_bandwidth, self.kinds)
+            sel = Selection(profile, granularity, self.host_bandwidth, self.kinds, reserve)
             if all(sel.keys != other.keys for other in self.selections):
                 self.selections.append(sel)
         first = self.selections[0]
         self.units, self.rejected, self.sim = first.units, first.rejected, first.sim
         self.eager = self.sim.run({})
-        # NOTE [Layers the profiled step skipped]
-        siblings = unprofiled_siblings(profile)
-        self.unprofiled = sorted(siblings)
-        self.reserve_bytes = unprofiled_reserve_bytes(profile, siblings)
+        # the most the reserve adds at any op (for messages)
+        delta = np.zeros(len(profile.ops) + 2, dtype=np.int64)
+        for a, b, x in reserve:
+            delta[a] += x
+            delta[b + 1] -= x
+        self.reserve_bytes = int(np.cumsum(delta).max())
 
     @property
     def full_state(self) -> State:
@@ -276,18 +289,17 @@ class Planning:
 
     def min_budget_bytes(self) -> int:
         """The smallest budget :func:`plan` accepts for this profile."""
-        return min(self.lowest_peak_bytes(), self.eager.peak_bytes) + self.reserve_bytes
+        return min(self.lowest_peak_bytes(), self.eager.peak_bytes)
 
     def target_bytes(self, budget: int) -> int:
         """The peak the simulator must find for a plan for ``budget`` (NOTE [Safety margin]; NOTE [Layers the
         profiled step skipped])."""
-        budget -= self.reserve_bytes
         return max(budget - self.margin_bytes, min(budget, self.lowest_peak_bytes()))
 
     def solve(self, budget: int, solver: str = "greedy", time_limit: float = 60.0) -> tuple[Selection, State] | None:
         """The fastest plan for ``budget`` bytes among the selections, as ``(selection, state)``; None when none
         fits. Equal predicted times go to the finer selection."""
-        if "keep" in self.decisions and budget - self.reserve_bytes >= self.eager.peak_bytes:
+        if "keep" in self.decisions and budget >= self.eager.peak_bytes:
             return self.selections[0], {}  # everything kept: no need for the lowest peak or the solvers
         best = None
         target = self.target_bytes(budget)
@@ -303,7 +315,7 @@ class Planning:
     def _solve_in(self, sel: Selection, budget: int, target: int, solver: str, time_limit: float) -> State | None:
         if "keep" not in self.decisions:
             return sel.full_state if sel.full.peak_bytes <= target else None
-        if budget - self.reserve_bytes >= self.eager.peak_bytes:
+        if budget >= self.eager.peak_bytes:
             return {}
         if not self.kinds:
             return None
@@ -439,7 +451,7 @@ class Planning:
         where = self._moment(state, result.peak_op, sel)
         return Plan(
             budget_bytes=budget,
-            predicted_peak_bytes=result.peak_bytes + self.reserve_bytes,
+            predicted_peak_bytes=result.peak_bytes,
             predicted_step_seconds=prof.eager_step_seconds + result.added_seconds,
             eager_peak_bytes=prof.eager_peak_bytes,
             eager_step_seconds=prof.eager_step_seconds,
@@ -636,7 +648,7 @@ def plan(
             left_out = (f"Left out of the plan ({len(refused)}):\n  " + "\n  ".join(
                 f"{m}{f'[{c}]' if c else ''}: {r}" for m, c, r in refused[:8]) + ("\n  ..." if len(refused) > 8 else "")
                 + "\n")
-        if minimum - planning.reserve_bytes >= planning.eager.peak_bytes:
+        if minimum >= planning.eager.peak_bytes:
             fix = (f"Fix: Libra cannot lower this step's peak at all (nothing it may recompute or offload is live "
                    f"then); pass a budget of at least {minimum} bytes, or lower what is live then (the batch, or "
                    "the static bytes: parameters, gradients, optimizer state).")
@@ -651,7 +663,7 @@ def plan(
             f"smallest peak this planner reaches is {format_bytes(minimum)} ({minimum} bytes), of which "
             f"{format_bytes(static)} were live before the step began (parameters, gradients, optimizer state, "
             f"inputs). At that peak: {at_peak}. Biggest tensors live then:\n  " + "\n  ".join(lines) + "\n"
-            + left_out + (f"It includes {format_bytes(planning.reserve_bytes)} reserved for "
+            + left_out + (f"It includes up to {format_bytes(planning.reserve_bytes)} reserved for "
                           f"{', '.join(planning.unprofiled)}, which the profiled step skipped (layer drop) and later "
                           "steps may run.\n" if planning.reserve_bytes else "") + fix,
             budget_bytes=budget_bytes,
@@ -671,8 +683,8 @@ def plan(
         format_bytes(budget_bytes),
     )
     if planning.reserve_bytes:
-        log.info("reserved %s of the budget for %s, which the profiled step skipped (layer drop): a step that runs "
-                 "them recomputes them whole and holds their inputs", format_bytes(planning.reserve_bytes),
+        log.info("reserved up to %s of the budget for %s, which the profiled step skipped (layer drop): a step that "
+                 "runs them recomputes them whole and holds their inputs", format_bytes(planning.reserve_bytes),
                  ", ".join(planning.unprofiled))
     if out.refused:
         log.info("left out of the plan: %s", "; ".join(

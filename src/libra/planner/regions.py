@@ -25,7 +25,7 @@ import torch
 
 from libra.profiler.types import Profile
 
-__all__ = ["GRANULARITIES", "RegionInstance", "Unit", "analyse", "unprofiled_siblings", "unprofiled_reserve_bytes"]
+__all__ = ["GRANULARITIES", "RegionInstance", "Unit", "analyse", "unprofiled_siblings", "unprofiled_reserve"]
 
 
 @dataclass
@@ -405,7 +405,7 @@ def unprofiled_siblings(profile: Profile) -> dict[str, int]:
     first module call.
 
     Later steps that run such a module under a plan run it recomputed whole (plain checkpoint), holding its input
-    until its backward: memory the profiled step never needed (:func:`unprofiled_reserve_bytes`). One whose sibling
+    until its backward: memory the profiled step never needed (:func:`unprofiled_reserve`). One whose sibling
     cannot be replayed exactly (BatchNorm's statistics) runs as it is, keeping its activations."""
     params: dict[str, dict[str, tuple]] = {}  # module fqn (a container's child) -> its parameters, relative
     for name, shape, dtype in profile.parameters:
@@ -440,28 +440,85 @@ def unprofiled_siblings(profile: Profile) -> dict[str, int]:
     return {fqn: ci for fqn, ci in out.items() if exact(ci)}
 
 
-def unprofiled_reserve_bytes(profile: Profile, siblings: dict[str, int]) -> int:
-    """Bytes a later step may hold beyond the profiled one for the modules ``siblings`` (from
-    :func:`unprofiled_siblings`) names: for each, its input, as its called sibling's (the non-static storages its
-    ops read that were made before it began), held from its forward to its backward; the generator state its
-    checkpoint stashes (NOTE [RNG state] in simulate.py); and the gradients of its parameters, which the profiled
-    step never made (counted as the bytes of its parameters and buffers: the profile does not tell them apart). And
-    once, the largest replay among them: what its sibling's call saved, recomputed at once in its backward, where
-    the plan may have replayed its sibling in parts or not at all (NOTE [Layers the profiled step skipped])."""
-    total = replay = 0
+def unprofiled_reserve(profile: Profile, siblings: dict[str, int]) -> list[tuple[int, int, int]]:
+    """What a later step may hold beyond the profiled one for the modules ``siblings`` (from
+    :func:`unprofiled_siblings`) names, as ``(first op, last op, bytes)`` spans of the step's timeline (NOTE [Layers
+    the profiled step skipped] in planner/__init__.py). Such a module runs between its called siblings, inside
+    their nearest called ancestor (the encoder of a Whisper layer), so for each:
+
+    - its input, as its called sibling's (the non-static storages its ops read that were made before it began), and
+      the generator state its checkpoint stashes (NOTE [RNG state] in simulate.py): held from the first sibling's
+      forward to the end of the ancestor's backward;
+    - the gradients of its parameters, which the profiled step never made (counted as the bytes of its parameters and
+      buffers: the profile does not tell them apart): from the start of the ancestor's backward to the step's end;
+    - its replay: what its sibling's call saved, recomputed at once in its backward, where the plan may have replayed
+      its sibling in parts or not at all. Its backward runs between its called neighbours': right before the
+      backward of the sibling before it (the one after it is done by then), or, for one before every called sibling,
+      right after the backward of the sibling after it. Dropped layers whose backward falls at one point replay one
+      after the other: the largest of them counts there.
+
+    The ancestor's backward runs from the first unpack of what it saved to the last release; without a called
+    ancestor, or one that saved nothing, the spans run to the step's end (from its first backward op)."""
+    n = len(profile.ops)
+    calls = profile.module_calls
+    first_backward = next((i for i, o in enumerate(profile.ops) if o.backward), n)
+    first_call: dict[str, int] = {}
+    for ci, c in enumerate(calls):
+        first_call.setdefault(c.module, ci)
+    order: dict[str, int] = {}  # module -> its place among its container's children (registration order)
+    for name, _, _ in profile.parameters:
+        parts = name.split(".")
+        for k in range(1, len(parts)):
+            order.setdefault(".".join(parts[:k]), len(order))
+
+    def backward_of(lo: int, hi: int) -> tuple[int, int] | None:
+        """(first unpack, last release) of what ops ``(lo, hi]`` saved; None if nothing they saved was unpacked."""
+        packs = [p for p in profile.packs if lo < p.pack_op <= hi and p.first_unpack >= 0]
+        if not packs:
+            return None
+        return min(p.first_unpack for p in packs), min(max(max(p.released_op, p.last_unpack) for p in packs), n)
+
+    spans: list[tuple[int, int, int]] = []
+    replays: dict[tuple[int, int], int] = {}  # span of a replay -> the largest replay there
     for fqn, ci in siblings.items():
-        call = profile.module_calls[ci]
-        total += profile.rng_state_bytes
+        call = calls[ci]
+        container = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+        anc = call.parent
+        while anc >= 0 and not container.startswith(calls[anc].module + ".") and container != calls[anc].module:
+            anc = calls[anc].parent
+        lo, hi = (calls[anc].start_op, calls[anc].end_op) if anc >= 0 else (0, n)
+        called = sorted((m for m in first_call if m.rsplit(".", 1)[0] == container and lo <= calls[first_call[m]]
+                         .start_op < hi and m in order), key=order.__getitem__)
+        first = min((calls[first_call[m]].start_op for m in called), default=call.start_op)
+        window = backward_of(lo, hi) if anc >= 0 else None
+        bwd_start, bwd_end = window if window is not None else (first_backward, n)
+        held = profile.rng_state_bytes
         seen: set[int] = set()
         for i in range(call.start_op, call.end_op):
             for s in profile.ops[i].inputs:
                 rec = profile.storages[s]
                 if s not in seen and not rec.static and rec.alloc_op < call.start_op:
                     seen.add(s)
-                    total += rec.nbytes
-        total += sum(math.prod(shape) * getattr(torch, dtype.removeprefix("torch.")).itemsize
-                     for name, shape, dtype in profile.parameters if name.startswith(fqn + "."))
+                    held += rec.nbytes
+        spans.append((first, max(bwd_end, first), held))
+        grads = sum(math.prod(shape) * getattr(torch, dtype.removeprefix("torch.")).itemsize
+                    for name, shape, dtype in profile.parameters if name.startswith(fqn + "."))
+        spans.append((bwd_start, n, grads))
         saved = {p.storage for p in profile.packs if call.start_op < p.pack_op <= call.end_op}
-        replay = max(replay, sum(profile.storages[s].nbytes for s in saved
-                                 if not profile.storages[s].static and profile.storages[s].alloc_op >= call.start_op))
-    return total + replay
+        replay = sum(profile.storages[s].nbytes for s in saved
+                     if not profile.storages[s].static and profile.storages[s].alloc_op >= call.start_op)
+        before = [m for m in called if order[m] < order.get(fqn, -1)]
+        after = [m for m in called if order[m] > order.get(fqn, -1)]
+        point = None
+        if before and fqn in order:
+            c = calls[first_call[before[-1]]]
+            got = backward_of(c.start_op, c.end_op)
+            point = None if got is None else max(got[0] - 1, 0)
+        elif after and fqn in order:
+            c = calls[first_call[after[0]]]
+            got = backward_of(c.start_op, c.end_op)
+            point = None if got is None else got[1]
+        where = (point, point) if point is not None else (bwd_start, bwd_end)
+        replays[where] = max(replays.get(where, 0), replay)
+    spans.extend((a, b, r) for (a, b), r in replays.items())
+    return [(a, b, x) for a, b, x in spans if x > 0]

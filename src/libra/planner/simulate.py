@@ -155,7 +155,8 @@ def prefetch_triggers(units: list[Unit]) -> tuple[list[int], dict[tuple[int, int
 class Simulator:
     """Predicts the peak and the added time of any plan over one profile."""
 
-    def __init__(self, profile: Profile, units: list[Unit], host_bandwidth: float | None = None) -> None:
+    def __init__(self, profile: Profile, units: list[Unit], host_bandwidth: float | None = None,
+                 reserve: list[tuple[int, int, int]] = ()) -> None:
         self.profile = profile
         self.units = units
         self.host_bandwidth = host_bandwidth  # bytes per second each way between device and host memory
@@ -167,6 +168,11 @@ class Simulator:
         delta = np.zeros(n + 2, dtype=np.int64)
         np.add.at(delta, self.alloc, self.nbytes)
         np.add.at(delta, self.free + 1, -self.nbytes)
+        # bytes a later step may hold that the profiled one never did, ``(first op, last op, bytes)``, whatever the
+        # plan: on every curve (NOTE [Layers the profiled step skipped] in planner/__init__.py)
+        for first, last, nbytes in reserve:
+            delta[first] += nbytes
+            delta[min(last, n) + 1] -= nbytes
         self.base_delta = delta
         # NOTE [Transient bytes]: what each op's kernels hold inside it above what it returns (workspaces,
         # temporaries), measured from the allocator by the profiler (NOTE [Allocator truth] in libra/_allocator.py).
