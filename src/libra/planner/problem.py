@@ -222,10 +222,6 @@ class Problem:
     def n_units(self) -> int:
         return len(self.of_unit)
 
-    def points(self, o: int) -> tuple[list[int], list[int]]:
-        """Option ``o``'s effect as a sparse difference array ``(positions, bytes)``."""
-        return self._points[o]
-
     def span(self, o: int) -> tuple[int, np.ndarray]:
         """Option ``o``'s effect where it is not zero, dense: ``(first op, bytes at each op from there)``."""
         if o not in self._spans:

@@ -283,7 +283,6 @@ class Simulator:
         self._nbytes = self.nbytes.tolist()
         self._alloc = self.alloc.tolist()
         self._free = self.free.tolist()
-        self._python_end = self.python_end.tolist()
         self._op_time = self.op_time.tolist()
         allocated = np.zeros(n + 1, dtype=np.int64)  # bytes each op allocates (NOTE [Replay moment])
         made = np.array([s.alloc_op >= 0 for s in st], dtype=bool)

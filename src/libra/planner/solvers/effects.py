@@ -106,7 +106,6 @@ class Effects:
         self._move_val = [self.move_val[a:b].tolist() for a, b in zip(self.move_ptr[:-1], self.move_ptr[1:])]
         self._unit_pos = [self.unit_pos[a:b].tolist() for a, b in zip(self.unit_ptr[:-1], self.unit_ptr[1:])]
         self._unit_val = [self.unit_val[a:b].tolist() for a, b in zip(self.unit_ptr[:-1], self.unit_ptr[1:])]
-        self._dense: tuple[np.ndarray, np.ndarray] | None = None
         self._rises: dict[tuple[int, bool], list[tuple[int, int, int]]] = {}
 
     # ---- access ---------------------------------------------------------------------------------------------
@@ -180,26 +179,6 @@ class Effects:
         chosen = np.asarray(chosen, dtype=np.int64)
         units = np.unique(self.move_unit[chosen])
         return float(self.move_cost[chosen].sum() + self.unit_cost[units].sum())
-
-    @property
-    def dense(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(unit_delta, move_delta)``: every effect as a dense column over the live curve (ops x decisions), for the
-        exact solver on small profiles."""
-        if self._dense is None:
-            units = np.zeros((self.n_t, self.n_units), dtype=np.int64)
-            np.add.at(units, (self.unit_pos, self._unit_of_point), self.unit_val)
-            moves = np.zeros((self.n_t, len(self.moves)), dtype=np.int64)
-            np.add.at(moves, (self.move_pos, self._move_of_point), self.move_val)
-            self._dense = (np.cumsum(units, axis=0), np.cumsum(moves, axis=0))
-        return self._dense
-
-    @property
-    def unit_delta(self) -> np.ndarray:
-        return self.dense[0]
-
-    @property
-    def move_delta(self) -> np.ndarray:
-        return self.dense[1]
 
 
 class PeakTree:

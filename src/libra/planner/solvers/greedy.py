@@ -255,11 +255,9 @@ class _Search:
         self.fx = fx
         self.budget = budget
         self.allowed = allowed
-        self.sim_runs = 0
 
     # ---- helpers ------------------------------------------------------------------------------------------------
     def simulate(self, chosen) -> np.ndarray:
-        self.sim_runs += 1
         live, _ = self.sim.live(state_for(self.sim, [self.fx.moves[m] for m in chosen]))
         return live
 
