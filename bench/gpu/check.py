@@ -1,6 +1,10 @@
 """The GPU check (issue 3): eager vs save_on_cpu vs per-block checkpoint vs Libra (recompute, offload, both) at 30%
 and 50% of eager's activation memory, on a GPT-2-small-like model and a ResNet-50-like model. One CUDA device.
 
+Each method's row has its step time, its peak by the caching allocator, and the CPU's side of the step: the time
+until ``backward()`` returns, before the device is waited for (``median_enqueue_s``; Libra's modes run there, issue
+17), what that adds over eager's, and whether the step was launch-bound (the device waited on the CPU).
+
 Prints one line per method and writes bench/results/gpu-<date>.json. Run with bench/gpu/run.sh.
 """
 
@@ -28,16 +32,22 @@ DEVICE = "cuda"  # "cpu" with --smoke: tiny models, no memory figures, to check 
 
 
 def _step(model, x, y, loss_fn, seed):
+    """(step seconds, peak bytes, enqueue seconds, CPU seconds) of one step. Enqueue: until ``backward()`` returns,
+    before the device is waited for: what the CPU needs to launch the step (Python, dispatch, Libra's modes); where
+    it is close to the step's time, the device waited on the CPU (launch-bound). CPU: the process's CPU time."""
     torch.manual_seed(seed)
     cuda = DEVICE == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     loss_fn(model(x), y).backward()
+    enqueue = time.perf_counter() - t0
     if cuda:
         torch.cuda.synchronize()
-    return time.perf_counter() - t0, torch.cuda.max_memory_allocated() if cuda else 0
+    step = time.perf_counter() - t0
+    return step, torch.cuda.max_memory_allocated() if cuda else 0, enqueue, time.process_time() - c0
 
 
 def _grads(model):
@@ -71,20 +81,23 @@ def run_model(name, make, blocks_of, shares=(0.5, 0.3)):
     rows = []
 
     def measure(label, m, ctx_fn, plan=None):
-        times, peaks = [], []
+        times, peaks, enqueues, cpus = [], [], [], []
         grads = None
         for i in range(STEPS + 1):
             m.zero_grad(set_to_none=True)
             with ctx_fn():
-                t, peak = _step(m, x, y, loss_fn, seed=i)
+                t, peak, enqueue, cpu = _step(m, x, y, loss_fn, seed=i)
             if i == 0:
                 grads = _grads(m)
             else:
                 times.append(t)
                 peaks.append(peak)
+                enqueues.append(enqueue)
+                cpus.append(cpu)
         m.zero_grad(set_to_none=True)
-        row = {"method": label, "median_s": statistics.median(times), "max_memory_allocated": max(peaks),
-               "grads": grads}
+        row = {"method": label, "median_s": statistics.median(times), "min_s": min(times),
+               "median_enqueue_s": statistics.median(enqueues), "median_cpu_s": statistics.median(cpus),
+               "max_memory_allocated": max(peaks), "grads": grads}
         if plan is not None:
             row.update(budget=plan.budget_bytes, predicted_peak=plan.predicted_peak_bytes,
                        counts={d.value: c for d, c in plan.counts.items()},
@@ -141,6 +154,9 @@ def run_model(name, make, blocks_of, shares=(0.5, 0.3)):
         if g is not None:
             r["grads_equal_eager"] = _equal(g, reference)
             r["ratio_to_eager"] = r["median_s"] / eager["median_s"]
+            # what the method adds to the CPU's launch work per step (issue 17: Libra's modes against GPU time)
+            r["enqueue_over_eager_s"] = r["median_enqueue_s"] - eager["median_enqueue_s"]
+            r["launch_bound"] = r["median_enqueue_s"] >= 0.9 * r["median_s"]
         if "budget" in r and DEVICE == "cuda":  # the promise, as the caching allocator counts it
             r["over_budget_bytes"] = r["max_memory_allocated"] - r["budget"]
         out.append(r)

@@ -27,3 +27,6 @@ def test_gpu_check_smoke_runs_every_method():
         f, real = r["fake_vs_real"]["activation_peak"]
         assert abs(f - real) <= 0.01 * real + 4096, r["fake_vs_real"]
     assert all(r["grads_equal_eager"] for r in rows), [r["method"] for r in rows if not r["grads_equal_eager"]]
+    # the CPU's launch work per step (on a CPU nothing runs asynchronously: the step is all launch work)
+    assert all(0 < r["median_enqueue_s"] <= r["median_s"] and r["median_cpu_s"] > 0 and r["launch_bound"]
+               for r in rows), rows
