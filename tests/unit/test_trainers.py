@@ -223,6 +223,30 @@ def test_hf_callback_refuses_a_bad_budget():
 
 
 # ---- Lightning ---------------------------------------------------------------------------------------------------
+def test_gradients_the_loop_frees_before_the_backward_are_held_through_the_forward_only():
+    """NOTE [Trainer steps]: Lightning sets the gradients of the step before to None between training_step and
+    the backward, which makes new ones as the profiled step did; a plan for that step holds them through the forward
+    only, where counted through the step they added a whole gradient set to a peak in the backward. Optimizer state
+    is held through the step either way."""
+    from libra.integrations._steps import StepPlans
+
+    torch.manual_seed(0)
+    model, x, y, loss_fn = models.make_gpt(batch=8, vocab=VOCAB, d=64, layers=4, heads=4, seq=SEQ)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plans = StepPlans(budget="10GiB")
+    plans.plan_for(model, opt, (x,), {}, lambda: loss_fn(model(x), y).backward())
+    first = plans.cached(model, opt, (x,), {}, grads_freed=True)
+    loss_fn(model(x), y).backward()
+    opt.step()  # gradients and AdamW's state now held
+    through = plans.cached(model, opt, (x,), {}, grads_freed=False)
+    forward = plans.cached(model, opt, (x,), {}, grads_freed=True)
+    grads = sum(p.grad.nbytes for p in model.parameters())
+    state = sum(v.nbytes for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    assert through.predicted_peak_bytes == first.predicted_peak_bytes + grads + state  # the eager step's peak
+    # the peak is in the backward: the freed gradients count only where the forward comes near it
+    assert first.predicted_peak_bytes + state < forward.predicted_peak_bytes < through.predicted_peak_bytes
+
+
 def _lightning():
     return pytest.importorskip("lightning")
 
@@ -309,6 +333,8 @@ def test_lightning_trainer_under_a_budget(accumulate, precision, caplog):
     assert any(p.counts[libra.Decision.RECOMPUTE] > 0 for e in callback.plans.profiled.values() for p in e.plans.values())
     assert len(meter.peaks) == 3 * accumulate and max(meter.peaks) <= budget, (meter.peaks, budget)
     assert max(eager.peaks) > budget
+    # from the second window on, the gradients the loop frees before the backward were planned as such
+    assert any(until_backward > 0 for e in callback.plans.profiled.values() for _, until_backward in e.plans)
     assert _clean(module) == []
 
 

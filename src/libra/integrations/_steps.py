@@ -6,11 +6,16 @@ the first optimizer step the optimizer holds its state, and with gradient accumu
 first starts with the gradients of the ones before. Before a step with a new input signature runs, the callback
 profiles it on fake tensors (NOTE [Fake profiles] in profiler/fake.py: no eager memory, nothing trained, the RNG
 untouched), so the step itself already runs under a plan. For static memory that grew since the profile (gradients
-and optimizer state held on the model's device), the same profile is planned again under the budget less the
-growth: each op of the step then holds at most that much more than in the profiled step (a gradient that exists
-is accumulated in place, one that does not is allocated, so growth never lowers the curve), and planning is pure,
-so this costs no step. Plans are cached per (signature, growth): a run has a handful. A step that cannot run fake
-(a data-dependent op) is profiled for real, once per signature, with a warning: that step runs eagerly.
+and optimizer state held on the model's device), the same profile is planned again with the growth held over the
+ops that hold it (``Planning(held=...)``): each op of the step then holds at most that much more than in the profiled
+step (a gradient that exists is accumulated in place, one that does not is allocated, so growth never lowers the
+curve). Optimizer state is held through the step; so are gradients the step accumulates into, but gradients the
+loop sets to None between the forward and the backward (Lightning, at the first micro-batch of each accumulation
+window) are held through the forward only, and the backward makes new ones, as the profiled step did: counted
+through the step instead, they made a plan planned for a peak in the backward one gradient set more cautious than
+it needed to be. Planning is pure, so this costs no step. Plans are cached per (signature, growth): a run has a
+handful. A step that cannot run fake (a data-dependent op) is profiled for real, once per signature, with a warning:
+that step runs eagerly.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 
 from libra._ops import input_signature, storage_key
 from libra.errors import BudgetInfeasibleError, LibraError
-from libra.planner import plan as make_plan
+from libra.planner import Planning, plan as make_plan
 from libra.planner.types import Decision, Plan
 from libra.api import profile
 from libra.profiler import model_device
@@ -40,23 +45,30 @@ __all__ = ["AppliedPlan", "StepPlans", "held_bytes"]
 def held_bytes(model: torch.nn.Module, optimizer, device: torch.device) -> int:
     """Bytes of the gradients of ``model``'s parameters and of ``optimizer``'s state on ``device`` (distinct
     storages): the static memory a training loop adds between steps."""
-    seen: dict[int, int] = {}
+    return sum(_held(model, optimizer, device))
 
-    def add(t) -> None:
+
+def _held(model: torch.nn.Module, optimizer, device: torch.device) -> tuple[int, int]:
+    """:func:`held_bytes` as (gradients, optimizer state), a storage both hold counted once, with the gradients."""
+    seen: dict[int, int] = {}
+    parts = [0, 0]
+
+    def add(t, part: int) -> None:
         if isinstance(t, torch.Tensor) and t.device == device:
             key = storage_key(t)
-            if key is not None:
-                seen.setdefault(key, t.untyped_storage().nbytes())
+            if key is not None and key not in seen:
+                seen[key] = t.untyped_storage().nbytes()
+                parts[part] += seen[key]
 
     for p in model.parameters():
-        add(p.grad)
+        add(p.grad, 0)
     state = getattr(optimizer, "state", None)
     if isinstance(state, dict):
         for entry in state.values():
             if isinstance(entry, dict):
                 for value in entry.values():
-                    add(value)
-    return sum(seen.values())
+                    add(value, 1)
+    return parts[0], parts[1]
 
 
 class AppliedPlan:
@@ -82,10 +94,11 @@ class AppliedPlan:
 class _Profiled:
     __slots__ = ("profile", "held", "plans")
 
-    def __init__(self, profile: Profile, held: int) -> None:
+    def __init__(self, profile: Profile, held: tuple[int, int]) -> None:
         self.profile = profile
-        self.held = held  # held_bytes when it was profiled
-        self.plans: dict[int, Plan] = {}  # by growth of held_bytes since then
+        self.held = held  # (gradients, optimizer state) bytes when it was profiled
+        # by growth since then: (bytes held through the whole step, bytes held until the backward begins)
+        self.plans: dict[tuple[int, int], Plan] = {}
 
 
 class StepPlans:
@@ -117,23 +130,27 @@ class StepPlans:
         self.steps_planned = 0
         self.profiles_made = 0
 
-    def _key(self, model, optimizer, args, kwargs) -> tuple[tuple[str, ...], int]:
-        return tuple(input_signature(args, kwargs)), held_bytes(model, optimizer, model_device(model))
+    def _key(self, model, optimizer, args, kwargs) -> tuple[tuple[str, ...], tuple[int, int]]:
+        return tuple(input_signature(args, kwargs)), _held(model, optimizer, model_device(model))
 
-    def cached(self, model: torch.nn.Module, optimizer, args, kwargs) -> Plan | None:
-        """The plan for a step whose root call gets ``args`` and ``kwargs``, if one needs no profiling."""
-        signature, held = self._key(model, optimizer, args, kwargs)
+    def cached(self, model: torch.nn.Module, optimizer, args, kwargs, grads_freed: bool = False) -> Plan | None:
+        """The plan for a step whose root call gets ``args`` and ``kwargs``, if one needs no profiling.
+        ``grads_freed``: the loop sets the gradients to None between the forward and the backward (Lightning, at
+        the first micro-batch of each accumulation window: NOTE [Trainer steps])."""
+        signature, (grads, state) = self._key(model, optimizer, args, kwargs)
         entry = self.profiled.get(signature)
         if entry is None:
             return None
         self.profiled.move_to_end(signature)
-        growth = max(held - entry.held, 0)
+        more_grads, more_state = max(grads - entry.held[0], 0), max(state - entry.held[1], 0)
+        growth = (more_state, more_grads) if grads_freed else (more_state + more_grads, 0)
         plan = entry.plans.get(growth)
         if plan is None:
             plan = entry.plans[growth] = self._plan(entry.profile, growth, signature)
         return plan
 
-    def plan_for(self, model: torch.nn.Module, optimizer, args, kwargs, run: Callable[[], object]):
+    def plan_for(self, model: torch.nn.Module, optimizer, args, kwargs, run: Callable[[], object],
+                 grads_freed: bool = False):
         """The plan for the step ``run()`` is about to be (its root call gets ``args`` and ``kwargs``), profiling it
         first if its signature is new. Nothing of Libra's may be applied to ``model`` while this runs.
 
@@ -143,7 +160,7 @@ class StepPlans:
         Raises:
             BudgetInfeasibleError: no plan fits the budget for this step; raised before the step allocates anything.
         """
-        plan = self.cached(model, optimizer, args, kwargs)
+        plan = self.cached(model, optimizer, args, kwargs, grads_freed)
         if plan is not None:
             return plan, None, False
         signature, held = self._key(model, optimizer, args, kwargs)
@@ -157,7 +174,7 @@ class StepPlans:
                         "the data collator).", self.what, self.profiles_made)
         if ran:
             return None, result, True
-        return self.cached(model, optimizer, args, kwargs), None, False
+        return self.cached(model, optimizer, args, kwargs, grads_freed), None, False
 
     def _profile(self, model, run, signature) -> tuple[Profile, object, bool]:
         self.profiles_made += 1
@@ -183,30 +200,38 @@ class StepPlans:
                  self.what, list(signature), time.perf_counter() - t0)
         return prof, box[0] if box else None, True
 
-    def _plan(self, prof: Profile, growth: int, signature) -> Plan:
+    def _plan(self, prof: Profile, growth: tuple[int, int], signature) -> Plan:
+        """The plan for ``prof`` with ``growth``: bytes held through the whole step (optimizer state, gradients that
+        are accumulated into), and bytes held until the backward begins (gradients the loop sets to None then)."""
+        whole, until_backward = growth
+        n = len(prof.ops)
+        first_backward = next((i for i, o in enumerate(prof.ops) if o.backward), n)
+        held = [(0, n, whole), (0, max(first_backward - 1, 0), until_backward)]
+        total = whole + until_backward
+        planning = Planning(prof, held=held)
         try:
-            plan = make_plan(prof, max(self.budget_bytes - growth, 1), solver=self.solver)
+            plan = make_plan(planning, self.budget_bytes, solver=self.solver)
         except BudgetInfeasibleError as e:
-            held = (f" (gradients and optimizer state added {format_bytes(growth)} since the step was profiled: "
-                    "an optimizer like AdamW holds twice the parameters' bytes after its first step)") if growth else ""
-            need = e.min_budget_bytes + growth
-            # the planner's own advice is for the budget less the growth, not for the budget passed here
+            held_text = (f" (gradients and optimizer state added {format_bytes(total)} since the step was profiled: "
+                         "an optimizer like AdamW holds twice the parameters' bytes after its first step)") if total else ""
+            need = e.min_budget_bytes
+            # the planner's own advice repeats the figure; the message gives it once, with what to do
             said = str(e).split("\nFix:")[0]
             raise BudgetInfeasibleError(
                 f"{self.what}: expected the training step with inputs {list(signature)} to fit the budget "
                 f"{format_bytes(self.budget_bytes)} ({self.budget_bytes} bytes), but the lowest peak Libra can plan "
-                f"for it is {need} bytes ({format_bytes(need)}){held}. Fix: pass budget={need} or more, or lower "
+                f"for it is {need} bytes ({format_bytes(need)}){held_text}. Fix: pass budget={need} or more, or lower "
                 f"the batch size (libra.max_batch finds the largest that fits). The planner said: {said}",
                 budget_bytes=self.budget_bytes, min_budget_bytes=need,
             ) from e
         self.steps_planned += 1
-        log.info("libra: %s: planned the training step with inputs %s: budget %s%s, predicted peak %s%s, "
+        log.info("libra: %s: planned the training step with inputs %s: budget %s%s, predicted peak %s, "
                  "%d recomputed / %d offloaded", self.what, list(signature), format_bytes(self.budget_bytes),
-                 f" less {format_bytes(growth)} of gradients and optimizer state" if growth else "",
-                 format_bytes(plan.predicted_peak_bytes + growth),
-                 f" (the plan's {format_bytes(plan.predicted_peak_bytes)} and those)" if growth else "",
+                 f" with {format_bytes(whole)} of gradients and optimizer state held through the step"
+                 + (f" and {format_bytes(until_backward)} of gradients until its backward" if until_backward else "")
+                 if total else "", format_bytes(plan.predicted_peak_bytes),
                  plan.counts[Decision.RECOMPUTE], plan.counts[Decision.OFFLOAD])
         if not plan.regions:
             log.info("libra: %s: the budget is above this step's peak: nothing to recompute or offload (a budget "
-                     "below %s makes Libra save memory)", self.what, format_bytes(plan.eager_peak_bytes + growth))
+                     "below %s makes Libra save memory)", self.what, format_bytes(planning.eager.peak_bytes))
         return plan

@@ -8,8 +8,9 @@ While it runs fake, ``self.log`` and ``self.log_dict`` do nothing (a fake value 
 plan is applied from then on (the ``libra.apply`` block stays open while the plan stays the same, and each batch
 starts a step: :func:`libra.runtime.apply.begin_step`, as ``training_step`` need not call the module itself);
 it is removed at the end of fitting or when it raises (``on_exception``). Validation runs without gradients, so
-untouched. The loop sets the gradients of the step before to None only after ``training_step`` (before backward),
-so they count as held through the forward.
+untouched. At the first micro-batch of each accumulation window the loop sets the gradients of the step before to
+None after ``training_step``, before the backward: they count as held through the forward only (at the other
+micro-batches they are accumulated into, held through the step).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 from collections.abc import Mapping
 
 import lightning
+import torch
 
 from libra.errors import LibraError
 from libra.integrations._steps import AppliedPlan, StepPlans
@@ -94,11 +96,16 @@ class LibraCallback(lightning.pytorch.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
-        plan = self.plans.cached(pl_module, optimizer, (batch,), {})
+        # the loop sets the gradients to None after training_step at the first micro-batch of each window, unless
+        # the module or the optimizer zero them its own way (kept allocated, perhaps): then held through the step
+        freed = (batch_idx % trainer.accumulate_grad_batches == 0 and optimizer is not None
+                 and type(pl_module).optimizer_zero_grad is lightning.LightningModule.optimizer_zero_grad
+                 and type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad)
+        plan = self.plans.cached(pl_module, optimizer, (batch,), {}, freed)
         if plan is None:
             self.applied.leave()  # nothing of Libra's on the module while it is profiled
             plan, _, _ = self.plans.plan_for(pl_module, optimizer, (batch,), {},
-                                             self._step(trainer, pl_module, batch, batch_idx))
+                                             self._step(trainer, pl_module, batch, batch_idx), freed)
         self.applied.enter(pl_module, plan)
         begin_step(pl_module)
 

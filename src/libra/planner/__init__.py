@@ -192,10 +192,14 @@ class Planning:
         host_bandwidth: bytes per second to and from host memory (see :func:`plan`).
         decisions: the decisions the planner may use, a non-empty subset of ``{"keep", "recompute", "offload"}``.
         granularities: the region granularities to analyse (default: all of ``GRANULARITIES``).
+        held: ``(first op, last op, bytes)``: memory a step holds beyond the profiled one whatever the plan, over
+            those ops of the profiled step (a trainer's gradients and optimizer state: NOTE [Trainer steps] in
+            integrations/_steps.py); the planner's peaks, the named minimum and the predicted peak include it.
     """
 
     def __init__(self, profile: Profile, host_bandwidth: float | None = None,
-                 decisions=("keep", "recompute", "offload"), granularities=GRANULARITIES) -> None:
+                 decisions=("keep", "recompute", "offload"), granularities=GRANULARITIES,
+                 held: list[tuple[int, int, int]] = ()) -> None:
         if not isinstance(profile, Profile):
             raise LibraError(
                 f"libra.plan: expected a libra.Profile from libra.profile(model, step), got {type(profile).__name__}."
@@ -223,15 +227,16 @@ class Planning:
         siblings = unprofiled_siblings(profile)
         self.unprofiled = sorted(siblings)
         reserve = unprofiled_reserve(profile, siblings)
+        self.held = [(int(a), int(b), int(x)) for a, b, x in held if x > 0]
         self.selections: list[Selection] = []
         for granularity in self.granularities:
-            sel = Selection(profile, granularity, self.host_bandwidth, self.kinds, reserve)
+            sel = Selection(profile, granularity, self.host_bandwidth, self.kinds, reserve + self.held)
             if all(sel.keys != other.keys for other in self.selections):
                 self.selections.append(sel)
         first = self.selections[0]
         self.units, self.rejected, self.sim = first.units, first.rejected, first.sim
         self.eager = self.sim.run({})
-        # the most the reserve adds at any op (for messages)
+        # the most the reserve for skipped layers adds at any op (for messages)
         delta = np.zeros(len(profile.ops) + 2, dtype=np.int64)
         for a, b, x in reserve:
             delta[a] += x
@@ -631,7 +636,8 @@ def plan(
         planning = profile  # reuse its analysis and options
     else:
         base = profile.profile if isinstance(profile, Planning) else profile
-        planning = Planning(base, host_bandwidth, _DECISIONS if decisions is None else decisions, granularities)
+        planning = Planning(base, host_bandwidth, _DECISIONS if decisions is None else decisions, granularities,
+                            held=profile.held if isinstance(profile, Planning) else ())
     found = planning.solve(budget_bytes, solver, time_limit)
     if found is None:
         minimum = planning.min_budget_bytes()
