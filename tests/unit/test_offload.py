@@ -621,3 +621,45 @@ def test_hooked_call_keeps_a_saved_input_without_history_on_the_device(monkeypat
     mask_bytes = x.numel() * 64 * x.element_size()
     assert abs(measured - predicted) < mask_bytes // 4, (measured, predicted, mask_bytes)
     assert_grads_equal(ref, model)
+
+
+class _GatheredMatmul(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 64)
+        self.full = torch.randn(64, 64, requires_grad=True)  # a plain attribute: not in parameters()
+
+    def forward(self, h):
+        return torch.relu(self.fc(h)) @ self.full
+
+
+class _UnregisteredWeight(torch.nn.Module):
+    """``a`` multiplies by a weight that requires grad but is no parameter of the model when the step begins, as
+    FSDP2's all-gathered parameters are not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(16, 16)
+        self.a = _GatheredMatmul()
+
+    def forward(self, x):
+        return self.a(self.pre(x))
+
+
+def test_hooked_call_keeps_a_weight_that_is_no_registered_parameter(monkeypatch):
+    """``HookRun.pack``: a leaf that requires grad is a parameter whether or not the model lists it; copying it to
+    host memory would move a weight the step keeps anyway, which the simulator does not count (its saves have no
+    autograd history: ``PackRecord.activation``)."""
+    torch.manual_seed(0)
+    model, x = _UnregisteredWeight(), torch.randn(64, 16)
+    ref = copy.deepcopy(model)
+    ref(x).sum().backward()
+    plan = _hook_one(model, x)
+    model.a.full.grad = None
+    sources = _watch_copies(monkeypatch)
+    with libra.apply(model, plan):
+        model(x).sum().backward()
+    full = model.a.full.untyped_storage()
+    assert sources and all(s() is not full for s in sources)  # the ReLU's output went, the weight stayed
+    assert_grads_equal(ref, model)
+    assert torch.equal(ref.a.full.grad, model.a.full.grad)

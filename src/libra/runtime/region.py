@@ -317,7 +317,10 @@ class HookRun:
 
     def pack(self, t: torch.Tensor):
         key = storage_key(t)
-        if key is None or key in self.keep or t.device != self.device:
+        # a leaf that requires grad is a parameter, whether the module registers it or not (FSDP2's all-gathered
+        # ones are not its parameters when the step began): kept, as the simulator assumes (no autograd history,
+        # PackRecord.activation)
+        if key is None or key in self.keep or t.device != self.device or (t.requires_grad and t.grad_fn is None):
             return _Held(t)
         if key in self.inputs:
             # only activations (made by this step's graph): a batch of data, live before the step, stays put
