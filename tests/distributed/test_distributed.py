@@ -95,10 +95,7 @@ def launch(scenario: str, tmp_path) -> list[dict]:
 
 def check_memory(where: str, r: dict) -> None:
     """NOTE [Memory under DDP and FSDP2] in dist_workers.py: every Libra step within the budget by the allocator's
-    count, every eager step over it from the same start, and both started from the bytes the profile saw. And the
-    plan's predicted peak is no more than 1 KiB above what its steps measured: the simulator once held FSDP2's
-    all-gathered parameters until a planned block's backward, though the reshard frees them after its forward
-    (``StorageRecord.resized``), 34-50 KB above on the nested scenario, one block's parameters each."""
+    count, every eager step over it from the same start, and both started from the bytes the profile saw."""
     budget, static = r["budget_bytes"], r["static_bytes"]
     limit = budget + budget // 100 + dist_workers.PEAK_SLACK_BYTES  # the issue's bound is 1% + 256 KiB
     for i, s in enumerate(r["steps"]):
@@ -107,8 +104,6 @@ def check_memory(where: str, r: dict) -> None:
             f"{where}, step {i}: the Libra step started with {start} bytes live, the profile with {static}"
         assert peak <= limit, \
             f"{where}, step {i}: Libra peaked at {peak} bytes against a budget of {budget} (limit {limit})"
-        assert peak >= r["predicted_peak_bytes"] - 1024, \
-            f"{where}, step {i}: Libra peaked at {peak} bytes, its plan predicted {r['predicted_peak_bytes']}"
         eager = start + eager_peak - eager_start  # eager's step from the bytes the Libra step started with
         assert eager > limit, f"{where}, step {i}: eager peaks at {eager} bytes, within the budget of {budget}"
 

@@ -157,7 +157,7 @@ def test_profiles_of_the_old_schema_are_refused(tmp_path):
     path = tmp_path / "p.json"
     prof.save(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 8 and "transient_bytes" in data["ops"][0] and data["host_bandwidth"] == 0.0
+    assert data["schema_version"] == 7 and "transient_bytes" in data["ops"][0] and data["host_bandwidth"] == 0.0
     assert any(s["held_op"] >= 0 for s in data["storages"])
     assert all(p["released_op"] >= max(p["last_unpack"], p["pack_op"]) for p in data["packs"])
     assert libra.Profile.load(path) == prof
@@ -165,7 +165,7 @@ def test_profiles_of_the_old_schema_are_refused(tmp_path):
     for s in data["storages"]:
         del s["held_op"]
     path.write_text(json.dumps(data))
-    with pytest.raises(PlanFormatError, match="schema_version 3; this Libra reads 8"):
+    with pytest.raises(PlanFormatError, match="schema_version 3; this Libra reads 7"):
         libra.Profile.load(path)
 
 

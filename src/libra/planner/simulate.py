@@ -281,7 +281,6 @@ class Simulator:
         self._own_inputs: dict[tuple[int, int], dict[int, list[int]]] = {}
         # plain-Python copies for the per-storage loops (numpy scalar indexing is slow)
         self._nbytes = self.nbytes.tolist()
-        self._resized = [s.resized for s in st]  # no holder keeps a storage a resize freed (StorageRecord.resized)
         self._alloc = self.alloc.tolist()
         self._free = self.free.tolist()
         self._op_time = self.op_time.tolist()
@@ -349,11 +348,8 @@ class Simulator:
             lane.total += rec.lane
             exposed.total += rec.exposed
         ends: dict[int, int] = {}
-        fixed, owned, resized = self._fixed_end, self._owned_saves, self._resized
+        fixed, owned = self._fixed_end, self._owned_saves
         for s in touched:
-            if resized[s]:  # its bytes went back to the allocator at eager's free, whoever holds it
-                ends[s] = self._free[s]
-                continue
             end = fixed[s]
             h = holders.get(s)
             if h is not None and h > end:

@@ -146,7 +146,6 @@ class Recorder(TorchDispatchMode):
         if sid not in self._resized_away:
             record = self.storages[sid]
             record.free_op = max(len(self.ops) - 1, record.alloc_op)
-            record.resized = True
             self.live_bytes -= record.nbytes
             self._resized_away.add(sid)
         if after > 0:

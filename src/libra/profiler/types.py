@@ -15,12 +15,11 @@ from libra.errors import PlanFormatError
 
 __all__ = ["OpRecord", "StorageRecord", "PackRecord", "ModuleCall", "Profile", "PROFILE_SCHEMA_VERSION"]
 
-PROFILE_SCHEMA_VERSION = 8  # 2: per-op transient bytes and the allocator's own peak (NOTE [Allocator truth]);
+PROFILE_SCHEMA_VERSION = 7  # 2: per-op transient bytes and the allocator's own peak (NOTE [Allocator truth]);
 # 3: the host link's bandwidth, measured by the profiler; 4: when Python let go of each storage (StorageRecord.held_op)
 # and what each module call was handed (ModuleCall.arg_storages); 5: when autograd let go of each save
 # (PackRecord.released_op); 6: what the allocator held between ops that no storage accounts for
-# (OpRecord.untracked_bytes); 7: whether a saved tensor had autograd history (PackRecord.activation); 8: which
-# storages a resize freed (StorageRecord.resized)
+# (OpRecord.untracked_bytes); 7: whether a saved tensor had autograd history (PackRecord.activation)
 
 
 @dataclass
@@ -60,9 +59,6 @@ class StorageRecord:
     # last op index during which a tensor object of it that a forward op returned was alive (NOTE [Who holds a
     # storage] in planner/simulate.py); n_ops when one outlived the step, -1 when not recorded (profiles made by hand)
     held_op: int = -1
-    # a resize to 0 bytes freed it (FSDP2's reshard: NOTE [Resized storages] in recorder.py): the bytes are gone at
-    # ``free_op`` whoever holds the storage object, so no plan holds it longer (planner/simulate.py, ``_plan``)
-    resized: bool = False
 
 
 @dataclass
