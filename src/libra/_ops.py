@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["OpInfo", "op_info", "STATEFUL_OPS", "arg_values", "tensors_in", "storage_key", "plain_tensors",
-           "input_signature", "kv_cache_args", "model_signature", "UNCOUNTED"]
+           "input_signature", "kv_cache_args", "model_signature", "UNCOUNTED", "call_tensors"]
 
 # NOTE [Uncounted ops]: checkpoint's own saved-tensor hook detaches every tensor it saves during a replay, so the
 # replay dispatches detach ops the forward never did. detach allocates nothing and is never worth saving: the
@@ -81,6 +82,13 @@ def tensors_in(value):
     if isinstance(value, (list, tuple)):
         return tuple(v for v in value if isinstance(v, torch.Tensor))
     return ()
+
+
+def call_tensors(args, kwargs) -> list[torch.Tensor]:
+    """Every tensor a call is handed, however deep in its arguments' tuples, lists and dicts (Hugging Face layers get
+    ``position_embeddings=(cos, sin)``): what checkpoint holds of a checkpointed call, and what a hooked call leaves
+    on the device as its inputs."""
+    return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
 
 def storage_key(t: torch.Tensor) -> int | None:

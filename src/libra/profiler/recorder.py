@@ -25,8 +25,8 @@ from torch.utils._pytree import tree_leaves
 
 from libra._allocator import MARKER
 from libra._forward import ForwardSwaps
-from libra._ops import (STATEFUL_OPS, UNCOUNTED, arg_values, input_signature, kv_cache_args, op_info, plain_tensors,
-                        storage_key, tensors_in)
+from libra._ops import (STATEFUL_OPS, UNCOUNTED, arg_values, call_tensors, input_signature, kv_cache_args, op_info,
+                        plain_tensors, storage_key, tensors_in)
 from libra.errors import LibraError
 from libra.profiler._warm import warm_first_call
 from libra.profiler.fake import OpCall
@@ -474,7 +474,7 @@ class ModuleProbes:
             depth=len(rec.module_stack) - 1,
             input_shapes=[list(a.shape) for a in args if isinstance(a, torch.Tensor)],
             kv_cache_args=kv_cache_args(args, kwargs or {}),
-            arg_storages=rec.known_storages(tensors_in(list(args)) + tensors_in(list((kwargs or {}).values()))),
+            arg_storages=rec.known_storages(call_tensors(args, kwargs or {})),
         )
         rec.call_stack.append(len(self.calls))
         self.calls.append(record)

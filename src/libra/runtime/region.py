@@ -51,7 +51,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from libra._ops import UNCOUNTED, arg_values, op_info, storage_key, tensors_in
+from libra._ops import UNCOUNTED, arg_values, call_tensors, op_info, storage_key, tensors_in
 from libra.errors import LibraError
 from libra.planner.types import RegionPlan
 from libra.runtime.offload import HostCopy, HostPool
@@ -311,7 +311,7 @@ class HookRun:
         self.on_backward = None  # OffloadContext.register's: called at the first unpack (NOTE [Prefetch])
 
     def run(self, *args, **kwargs):
-        self.inputs = {storage_key(t) for t in tensors_in(list(args)) + tensors_in(list(kwargs.values()))}
+        self.inputs = {storage_key(t) for t in call_tensors(args, kwargs)}
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             return self.forward(*args, **kwargs)
 
@@ -414,7 +414,7 @@ class RegionRun:
         """The function checkpoint calls: once for the forward, once per replay."""
         self.calls += 1
         if self.calls == 1:
-            self.input_versions = [(t, t._version) for t in tensors_in(list(args)) + tensors_in(list(kwargs.values()))]
+            self.input_versions = [(t, t._version) for t in call_tensors(args, kwargs)]
         else:
             self.replay_index = 0
             self.replay_storages = set()
