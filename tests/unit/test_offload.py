@@ -579,19 +579,48 @@ class _MaskedCall(torch.nn.Module):
         return self.out(torch.relu(self.fc(h)) * mask)
 
 
-class _SavesAMask(torch.nn.Module):
-    """``a`` saves a mask it is handed that has no autograd history (as attention saves a mask or position ids), and
-    ``post`` saves a lot after it, so the step peaks at the end of the forward, while that mask is still saved."""
+class _SavesAnArgument(torch.nn.Module):
+    """``a`` (set by the subclass) saves a tensor with no autograd history it is handed, and ``post`` saves a lot
+    after it, so the step peaks at the end of the forward, while that tensor is still saved."""
 
-    def __init__(self) -> None:
+    def __init__(self, a: torch.nn.Module) -> None:
         super().__init__()
         self.pre = torch.nn.Linear(16, 16)
-        self.a = _MaskedCall()
+        self.a = a
         self.post = torch.nn.Sequential(torch.nn.Linear(16, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1))
+
+
+class _SavesAMask(_SavesAnArgument):
+    """As attention saves a mask or position ids."""
+
+    def __init__(self) -> None:
+        super().__init__(_MaskedCall())
 
     def forward(self, x):
         mask = (x.repeat(1, 64) > 0).to(x.dtype)
         return self.post(self.a(self.pre(x), mask))
+
+
+def _hooked_steps(model, x, monkeypatch):
+    """Runs two steps of ``model`` with ``a`` hooked (``_hook_one``), gradients checked against eager: (the device
+    peak measured above the step's start, the plan's predicted peak above the static bytes, host copies per step,
+    the profile)."""
+    ref = copy.deepcopy(model)
+    ref(x).sum().backward()
+    plan = _hook_one(model, x)
+    prof = libra.profile(model, lambda: model(x).sum().backward())
+    buffers = _pool_buffers(monkeypatch)
+    sources = _watch_copies(monkeypatch)
+    copies = []
+    with libra.apply(model, plan):
+        for _ in range(2):  # the second step reuses the first one's buffers
+            sources.clear()
+            model.zero_grad(set_to_none=True)
+            with _DeviceMeter(buffers, extra=list(model.parameters())) as meter:
+                model(x).sum().backward()
+            copies.append(len(sources))
+    assert_grads_equal(ref, model)
+    return meter.peak_bytes - meter.start_bytes, plan.predicted_peak_bytes - prof.static_bytes, copies, prof
 
 
 def test_hooked_call_keeps_a_saved_input_without_history_on_the_device(monkeypatch):
@@ -599,28 +628,12 @@ def test_hooked_call_keeps_a_saved_input_without_history_on_the_device(monkeypat
     stays on the device until autograd lets go of it, and the plan's predicted peak counts it there
     (``PackRecord.activation``; the simulator once freed it at the copy, 1 KiB under GPT-2's measured minimum)."""
     torch.manual_seed(0)
-    model, x = _SavesAMask(), torch.randn(64, 16)
-    ref = copy.deepcopy(model)
-    ref(x).sum().backward()
-    plan = _hook_one(model, x)
-    prof = libra.profile(model, lambda: model(x).sum().backward())
-    model.zero_grad(set_to_none=True)
+    x = torch.randn(64, 16)
+    measured, predicted, copies, prof = _hooked_steps(_SavesAMask(), x, monkeypatch)
     # without history: the step's input, saved by pre's Linear, and the mask, saved by the multiply
     assert [p.activation for p in prof.packs].count(False) == 2
-    buffers = _pool_buffers(monkeypatch)
-    sources = _watch_copies(monkeypatch)
-    with libra.apply(model, plan):
-        for _ in range(2):  # the second step reuses the first one's buffers
-            sources.clear()
-            model.zero_grad(set_to_none=True)
-            with _DeviceMeter(buffers, extra=list(model.parameters())) as meter:
-                model(x).sum().backward()
-            assert len(sources) == 3  # a's input, the ReLU's output and the product: not the mask
-    measured = meter.peak_bytes - meter.start_bytes
-    predicted = plan.predicted_peak_bytes - prof.static_bytes
-    mask_bytes = x.numel() * 64 * x.element_size()
-    assert abs(measured - predicted) < mask_bytes // 4, (measured, predicted, mask_bytes)
-    assert_grads_equal(ref, model)
+    assert copies == [3, 3]  # a's input, the ReLU's output and the product: not the mask
+    assert abs(measured - predicted) < x.numel() * 64 * x.element_size() // 4, (measured, predicted)
 
 
 class _GatheredMatmul(torch.nn.Module):
@@ -676,15 +689,12 @@ class _PairCall(torch.nn.Module):
         return self.out(torch.relu(self.fc(h)) * a + b)
 
 
-class _SavesATupleArgument(torch.nn.Module):
+class _SavesATupleArgument(_SavesAnArgument):
     """``a`` gets two tensors in one tuple argument, as Hugging Face layers get ``position_embeddings=(cos, sin)``,
     and saves one of them."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.pre = torch.nn.Linear(16, 16)
-        self.a = _PairCall()
-        self.post = torch.nn.Sequential(torch.nn.Linear(16, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1))
+        super().__init__(_PairCall())
 
     def forward(self, x):
         scales = ((x.repeat(1, 64) > 0).to(x.dtype), x.repeat(1, 64))
@@ -696,21 +706,7 @@ def test_hooked_call_keeps_the_tensors_of_a_tuple_argument_on_the_device(monkeyp
     copied them to host memory as if the call made them, and their copies, brought back, outlived what the
     simulator counts (Phi with offload at its minimum, ``position_embeddings=(cos, sin)``: 13,360 B over)."""
     torch.manual_seed(0)
-    model, x = _SavesATupleArgument(), torch.randn(64, 16)
-    ref = copy.deepcopy(model)
-    ref(x).sum().backward()
-    plan = _hook_one(model, x)
-    prof = libra.profile(model, lambda: model(x).sum().backward())
-    buffers = _pool_buffers(monkeypatch)
-    sources = _watch_copies(monkeypatch)
-    with libra.apply(model, plan):
-        for _ in range(2):
-            sources.clear()
-            model.zero_grad(set_to_none=True)
-            with _DeviceMeter(buffers, extra=list(model.parameters())) as meter:
-                model(x).sum().backward()
-            assert len(sources) == 3  # a's input, the ReLU's output and the product: not the saved scale
-    measured = meter.peak_bytes - meter.start_bytes
-    predicted = plan.predicted_peak_bytes - prof.static_bytes
+    x = torch.randn(64, 16)
+    measured, predicted, copies, _ = _hooked_steps(_SavesATupleArgument(), x, monkeypatch)
+    assert copies == [3, 3]  # a's input, the ReLU's output and the product: not the saved scale
     assert abs(measured - predicted) < x.numel() * 64 * x.element_size() // 4, (measured, predicted)
-    assert_grads_equal(ref, model)
