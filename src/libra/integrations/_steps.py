@@ -204,16 +204,15 @@ class StepPlans:
         """The plan for ``prof`` with ``growth``: bytes held through the whole step (optimizer state, gradients that
         are accumulated into), and bytes held until the backward begins (gradients the loop sets to None then)."""
         whole, until_backward = growth
-        n = len(prof.ops)
-        first_backward = next((i for i, o in enumerate(prof.ops) if o.backward), n)
-        held = [(0, n, whole), (0, max(first_backward - 1, 0), until_backward)]
+        held = [(0, prof.n_ops, whole), (0, max(prof.first_backward_op - 1, 0), until_backward)]
         total = whole + until_backward
         planning = Planning(prof, held=held)
         try:
             plan = make_plan(planning, self.budget_bytes, solver=self.solver)
         except BudgetInfeasibleError as e:
-            held_text = (f" (gradients and optimizer state added {format_bytes(total)} since the step was profiled: "
-                         "an optimizer like AdamW holds twice the parameters' bytes after its first step)") if total else ""
+            held_text = "" if not total else (
+                f" (gradients and optimizer state added {format_bytes(total)} since the step was profiled: an "
+                "optimizer like AdamW holds twice the parameters' bytes after its first step)")
             need = e.min_budget_bytes
             # the planner's own advice repeats the figure; the message gives it once, with what to do
             said = str(e).split("\nFix:")[0]

@@ -10,7 +10,7 @@ import numpy as np
 from libra.errors import BudgetInfeasibleError, LibraError
 from libra.planner.problem import Problem
 from libra.planner.regions import GRANULARITIES, analyse, unprofiled_reserve, unprofiled_siblings
-from libra.planner.simulate import EARLY, PLAIN, SimResult, Simulator, State, is_hooked, kept_split
+from libra.planner.simulate import EARLY, PLAIN, SimResult, Simulator, State, is_hooked, kept_split, spans_delta
 from libra.planner.solvers import front, greedy, milp, options
 from libra.planner.types import PLAN_SCHEMA_VERSION, Decision, Plan, RegionPlan
 from libra.profiler.types import Profile
@@ -237,11 +237,7 @@ class Planning:
         self.units, self.rejected, self.sim = first.units, first.rejected, first.sim
         self.eager = self.sim.run({})
         # the most the reserve for skipped layers adds at any op (for messages)
-        delta = np.zeros(len(profile.ops) + 2, dtype=np.int64)
-        for a, b, x in reserve:
-            delta[a] += x
-            delta[b + 1] -= x
-        self.reserve_bytes = int(np.cumsum(delta).max())
+        self.reserve_bytes = int(np.cumsum(spans_delta(reserve, len(profile.ops))).max())
 
     @property
     def full_state(self) -> State:

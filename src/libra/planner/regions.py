@@ -183,14 +183,12 @@ def _apply_end(ops: list, sid: int, free_op: int) -> int:
 
 def _forward_writes(profile: Profile) -> tuple[int, dict[int, list[int]]]:
     """The first backward op, and storage -> the ops outside backward that write it in place."""
-    ops = profile.ops
-    first_bwd = next((i for i, o in enumerate(ops) if o.backward), len(ops))
     writes_at: dict[int, list[int]] = {}
-    for i, o in enumerate(ops):
+    for i, o in enumerate(profile.ops):
         if not o.backward:
             for s in o.writes:
                 writes_at.setdefault(s, []).append(i)
-    return first_bwd, writes_at
+    return profile.first_backward_op, writes_at
 
 
 def _refusals(profile: Profile, c, first_bwd: int, writes_at: dict[int, list[int]]):
@@ -461,7 +459,6 @@ def unprofiled_reserve(profile: Profile, siblings: dict[str, int]) -> list[tuple
     ancestor, or one that saved nothing, the spans run to the step's end (from its first backward op)."""
     n = len(profile.ops)
     calls = profile.module_calls
-    first_backward = next((i for i, o in enumerate(profile.ops) if o.backward), n)
     first_call: dict[str, int] = {}
     for ci, c in enumerate(calls):
         first_call.setdefault(c.module, ci)
@@ -491,7 +488,7 @@ def unprofiled_reserve(profile: Profile, siblings: dict[str, int]) -> list[tuple
                          .start_op < hi and m in order), key=order.__getitem__)
         first = min((calls[first_call[m]].start_op for m in called), default=call.start_op)
         window = backward_of(lo, hi) if anc >= 0 else None
-        bwd_start, bwd_end = window if window is not None else (first_backward, n)
+        bwd_start, bwd_end = window if window is not None else (profile.first_backward_op, n)
         held = profile.rng_state_bytes
         seen: set[int] = set()
         for i in range(call.start_op, call.end_op):

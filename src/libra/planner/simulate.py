@@ -16,7 +16,7 @@ from libra.planner.regions import Unit
 from libra.planner.replay import replay_skip
 from libra.profiler.types import Profile
 
-__all__ = ["Simulator", "SimResult", "State", "kept_split", "is_hooked", "PLAIN", "HOOKED", "EARLY"]
+__all__ = ["Simulator", "SimResult", "State", "kept_split", "is_hooked", "spans_delta", "PLAIN", "HOOKED", "EARLY"]
 
 # unit index -> the candidates (local op indices) whose outputs are kept: ``j`` keeps them on the device, ``~j``
 # (that is -j-1) in host memory (offloaded). Candidates of a listed unit that are in neither form are recomputed.
@@ -107,6 +107,16 @@ class _UnitRecord:
         self.offloads: list[tuple[int, int, float, int]] = []  # (instance, storage, seconds each way, end of copy)
 
 
+def spans_delta(spans, n: int) -> np.ndarray:
+    """``(first op, last op, bytes)`` spans as a difference array over the live curve's ``n + 1`` points (and one
+    past): its cumulative sum is the bytes the spans add after each op."""
+    delta = np.zeros(n + 2, dtype=np.int64)
+    for first, last, nbytes in spans:
+        delta[first] += nbytes
+        delta[min(last, n) + 1] -= nbytes
+    return delta
+
+
 def _hold(holders: dict[int, int], s: int, end: int) -> None:
     """Storage ``s`` has one more holder, until op ``end``: only the latest end matters."""
     if end > holders.get(s, end - 1):
@@ -170,9 +180,7 @@ class Simulator:
         np.add.at(delta, self.free + 1, -self.nbytes)
         # bytes a later step may hold that the profiled one never did, ``(first op, last op, bytes)``, whatever the
         # plan: on every curve (NOTE [Layers the profiled step skipped] in planner/__init__.py)
-        for first, last, nbytes in reserve:
-            delta[first] += nbytes
-            delta[min(last, n) + 1] -= nbytes
+        delta += spans_delta(reserve, n)
         self.base_delta = delta
         # NOTE [Transient bytes]: what each op's kernels hold inside it above what it returns (workspaces,
         # temporaries), measured from the allocator by the profiler (NOTE [Allocator truth] in libra/_allocator.py).
@@ -310,8 +318,8 @@ class Simulator:
         region's last unpack. The forward copy of a storage lives until the last of its remaining holders.
 
         Returns ``(ends, copies, bursts, held, seconds)``: storage -> the end of its one live interval (it starts
-        where eager allocates it) for every storage the plan touches; extra copies ``[start, end, storage]`` (a cache clone, a replayed escaping
-        storage, a prefetched offload); ``(op, bytes, unit)`` replay peaks above the live bytes after ``op``
+        where eager allocates it) for every storage the plan touches; extra copies ``[start, end, storage]`` (a cache
+        clone, a replayed escaping storage, a prefetched offload); ``(op, bytes, unit)`` replay peaks above the live bytes after ``op``
         (NOTE [Replay moment]); ``(start, end, bytes, unit)`` bytes a region call holds that are no storage of the
         profile (NOTE [RNG state]); and the added seconds. The cost is linear in
         the size of the units in ``state``, not in the length of the profile.
@@ -339,8 +347,7 @@ class Simulator:
             rec = self._unit_record(ui, cached)
             touched.update(rec.touched)
             for s, e in rec.holders.items():
-                if e > holders.get(s, e - 1):
-                    holders[s] = e
+                _hold(holders, s, e)
             extra_copies.extend(rec.copies)
             bursts.extend(rec.bursts)
             held.extend(rec.held)

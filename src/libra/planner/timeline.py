@@ -147,12 +147,11 @@ def memory_timeline(profile: Profile, plan: Plan, *, host_bandwidth: float | Non
     sim = Simulator(profile, units, bandwidth)
     eager, _ = sim.live({})
     planned, _ = sim.live(state)
-    first_bwd = next((i for i, o in enumerate(profile.ops) if o.backward), profile.n_ops)
     return Timeline(
         eager_bytes=tuple(int(b) for b in eager),
         plan_bytes=tuple(int(b) for b in planned),
         op_start_seconds=tuple(float(t) for t in sim.op_time),
-        first_backward_op=first_bwd,
+        first_backward_op=profile.first_backward_op,
         budget_bytes=plan.budget_bytes,
         static_bytes=profile.static_bytes,
     )

@@ -154,6 +154,11 @@ class Profile:
         return len(self.ops)
 
     @property
+    def first_backward_op(self) -> int:
+        """Index of the first op that ran in backward (``n_ops`` when none did)."""
+        return next((i for i, o in enumerate(self.ops) if o.backward), len(self.ops))
+
+    @property
     def activation_peak_bytes(self) -> int:
         """Eager peak above the static bytes: what the budget shares in the README refer to."""
         return self.eager_peak_bytes - self.static_bytes
