@@ -4,23 +4,32 @@ NOTE [Region overhead]: every op of a checkpointed call goes through Libra's for
 replay mode when backward recomputes the call; checkpoint's saved-tensor hooks run in Python for each saved tensor
 of both passes. That costs several times a do-nothing dispatch mode on a tiny ``add`` (the profile's
 ``dispatch_overhead_seconds``): a planner that costs regions by the latter checkpoints blocks that save little and
-predicts far less than is measured. So the profiler measures it: a small block of the usual ops (layer norm,
-linear, GELU, scaling, residual add; no in-place ops, which a region that keeps their inputs would copy) run
-forward and backward eagerly and under a region that recomputes nothing (``calibration_plan``: it keeps the
-outputs autograd saves and skips the other ops in its replay, so what remains is the executor's own cost), at
-depths 1 and 3 so that the per-op cost and checkpoint's fixed cost per call separate. A region that kept every
-output instead (as this calibration did before) holds what eager frees, which on a CPU costs fresh pages per op:
-it charged 1.2-2x the forward cost of a realistic region at 512 KiB-2 MiB activations
-(``bench/executor_cost.py``). The cost still depends on the tensors' size on a CPU (the allocator's page faults),
-so the block is sized like the profiled step: its activations have the median size of the step's forward
-outputs, rounded to a power of two (each size measured once per process). The planner reads the figures from the
-profile (``Profile.region_costs``).
+predicts far less than is measured. So the profiler measures it on a block of layers run forward and backward
+eagerly and under a region that recomputes nothing (``calibration_plan``: it keeps the outputs autograd saves and
+skips the other ops in its replay, so what remains is the executor's own cost; a region that kept every output
+would hold what eager frees, which on a CPU costs fresh pages per op), at depths 1 and 4 so that the per-op cost
+and checkpoint's fixed cost per call separate. Rules, and why:
+- The block has the step's kind of ops. What an op costs through a dispatch mode grows with its argument list: a
+  convolution or a batch norm (which also dispatches an ``empty``) costs about twice a layer norm or a GELU. So
+  there are two families of layers, ``dense`` (layer norm, linear, GELU, scaling, residual add) and ``conv`` (3x3
+  convolution, batch norm, ReLU, residual add), and a step gets their figures mixed by its forward's share of
+  convolutions and batch norms against the conv block's (``conv_weight``). Costed by the dense block alone, CNNs'
+  plans predicted their step time low.
+- No in-place ops in either block: a region that keeps their input copies it first, which is the copy cost's
+  (NOTE [Copy cost] in planner/simulate.py), not the modes'.
+- The block is sized like the profiled step: its activations have the median size of the step's forward outputs,
+  rounded to a power of two, since on a CPU the cost depends on it (the allocator's page faults).
+- Timing on a CPU is noisy: all twelve variants (three ways, two depths, forward alone and the step) run
+  interleaved, each the fastest of a few runs, the figures fitted per round and their median over the rounds kept.
+Measured once per process, device, thread count, size and family; the planner reads the figures from the profile
+(``Profile.region_costs``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 
 import torch
@@ -29,6 +38,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
 from libra._ops import op_info, storage_key
+from libra.errors import LibraError
 from libra.planner.types import RegionPlan
 from libra.runtime.region import RegionRun, _leaves
 
@@ -36,8 +46,11 @@ __all__ = ["RegionCosts", "region_costs", "cached_region_costs", "copy_seconds_p
 
 log = logging.getLogger("libra")
 
-_REPEATS = 4
+_REPEATS = 3
+_ROUNDS = 5
+_DEPTHS = (1, 4)
 _WIDTH = 256
+_CHANNELS = 16  # the conv family's channels: its activations are (n, 16, h, w) of the dense family's bytes
 _MAX_ROWS = 2048  # 2 MiB activations at most: larger ones cost the calibration more than they tell
 
 
@@ -57,10 +70,27 @@ class _Layer(nn.Module):
         return x + F.gelu(self.fc(self.norm(x))) * 0.5
 
 
-class _Block(nn.Module):
-    def __init__(self, depth: int) -> None:
+class _ConvLayer(nn.Module):
+    """A convolutional network's layer: 3x3 convolution, batch norm, ReLU, residual add (NOTE [Region overhead]; not
+    in place, which a region that keeps its input would copy)."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.Sequential(*[_Layer() for _ in range(depth)])
+        self.conv = nn.Conv2d(_CHANNELS, _CHANNELS, 3, padding=1, bias=False)
+        self.norm = nn.BatchNorm2d(_CHANNELS)
+
+    def forward(self, x):
+        return x + F.relu(self.norm(self.conv(x)))
+
+
+FAMILIES = ("dense", "conv")
+
+
+class _Block(nn.Module):
+    def __init__(self, depth: int, family: str = "dense") -> None:
+        super().__init__()
+        layer = _ConvLayer if family == "conv" else _Layer
+        self.layers = nn.Sequential(*[layer() for _ in range(depth)])
 
     def forward(self, x):
         return self.layers(x)
@@ -77,8 +107,8 @@ def _op_names(block: nn.Module, x: torch.Tensor) -> list[str]:
     return [op_info(f).name for f in run.funcs]
 
 
-def _same(t):
-    return t
+def _never(_packed):
+    raise AssertionError("calibration_plan's forward is never differentiated")
 
 
 def calibration_plan(block: nn.Module, x: torch.Tensor) -> RegionPlan:
@@ -90,9 +120,11 @@ def calibration_plan(block: nn.Module, x: torch.Tensor) -> RegionPlan:
 
     def pack(t):
         saved.add(storage_key(t))
-        return t
+        # nothing held: a saved output held by its own grad_fn's saved variable is a cycle through C++ that gc
+        # cannot break (a ReLU's or a batch norm's), and the block's tensors would outlive the calibration
+        return None
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, _same), run.contexts()[0]:
+    with torch.autograd.graph.saved_tensors_hooks(pack, _never), run.contexts()[0]:
         run.run(x)  # every output held by the cache while saved storages are noted: keys stay unique
     kept = [i for i, out in sorted(run.cache.items()) if any(storage_key(t) in saved for t in _leaves(out))]
     return RegionPlan("calibration", 0, names, save=kept, skip=[i for i in range(len(names)) if i not in kept])
@@ -109,51 +141,62 @@ def _best(fn, sync) -> float:
     return best
 
 
-def _measure(depth: int, rows: int, device: torch.device, sync) -> tuple[int, float, float, float, float]:
-    """(ops, added forward seconds, added forward + backward seconds) of one region call of a block under Libra's
-    modes recomputing nothing (``calibration_plan``), then the same two for plain checkpoint, less the replay's own
-    ops (one forward)."""
+def _input(family: str, rows: int, device: torch.device) -> torch.Tensor:
+    """The block's input: ``rows`` x 256 floats, for the conv family as 16-channel images of as many floats (32 x 32
+    from 64 rows on, else one image as square as a power of two allows)."""
+    if family == "dense":
+        return torch.randn(rows, _WIDTH, device=device, requires_grad=True)
+    pixels = rows * _WIDTH // _CHANNELS
+    n = max(pixels // 1024, 1)
+    h = 1 << ((pixels // n).bit_length() // 2)
+    return torch.randn(n, _CHANNELS, h, pixels // n // h, device=device, requires_grad=True)
+
+
+def _bench(depth: int, rows: int, device: torch.device, family: str) -> tuple[int, dict]:
+    """(ops, functions) for one depth: the block's forward and step eagerly, under a region of Libra's modes that
+    recomputes nothing (``calibration_plan``) and under plain checkpoint, each run once (first calls pay one-time
+    costs)."""
     torch.manual_seed(0)
-    block = _Block(depth).to(device)
-    x = torch.randn(rows, _WIDTH, device=device, requires_grad=True)
+    block = _Block(depth, family).to(device)
+    x = _input(family, rows, device)
     plan = calibration_plan(block, x)
-    names = plan.ops
 
     def region():
         run = RegionRun(plan, block, note=_quiet)
         return torch_checkpoint.checkpoint(run.run, x, use_reentrant=False, context_fn=run.contexts)
 
-    def eager_fwd():
-        block(x)
-
-    def region_fwd():
-        region()
-
-    def eager_step():
-        block(x).sum().backward()
-
-    def region_step():
-        region().sum().backward()
-
-    def plain_fwd():
-        torch_checkpoint.checkpoint(block, x, use_reentrant=False)
-
-    def plain_step():
-        torch_checkpoint.checkpoint(block, x, use_reentrant=False).sum().backward()
-
-    eager_step()
-    region_step()  # first calls pay one-time costs
-    plain_step()
-    times = {f: float("inf") for f in (eager_fwd, region_fwd, eager_step, region_step, plain_fwd, plain_step)}
-    for _ in range(2):  # interleaved, so that a disturbance hits both sides
-        for f in times:
-            times[f] = min(times[f], _best(f, sync))
-    eager = times[eager_step]
-    return (len(names), times[region_fwd] - times[eager_fwd], times[region_step] - eager,
-            times[plain_fwd] - times[eager_fwd], times[plain_step] - eager - times[eager_fwd])
+    fns = {
+        "eager_fwd": lambda: block(x),
+        "region_fwd": region,
+        "plain_fwd": lambda: torch_checkpoint.checkpoint(block, x, use_reentrant=False),
+        "eager_step": lambda: block(x).sum().backward(),
+        "region_step": lambda: region().sum().backward(),
+        "plain_step": lambda: torch_checkpoint.checkpoint(block, x, use_reentrant=False).sum().backward(),
+    }
+    for f in fns.values():
+        f()
+    return len(plan.ops), fns
 
 
-_CACHE: dict[tuple[str, int, int], RegionCosts] = {}
+def _added(t: dict) -> tuple[float, float, float, float]:
+    """(forward, forward + backward) seconds added by Libra's modes, then by plain checkpoint less the replay's
+    own ops (one forward), from one round's times."""
+    return (t["region_fwd"] - t["eager_fwd"], t["region_step"] - t["eager_step"],
+            t["plain_fwd"] - t["eager_fwd"], t["plain_step"] - t["eager_step"] - t["eager_fwd"])
+
+
+def _fit(n1: int, a1: tuple, n3: int, a3: tuple) -> RegionCosts:
+    """Per forward op, per replayed op and per call, for Libra's modes and for plain checkpoint, from the added
+    seconds at two depths (``_added``); noise can make a difference negative: clamped at zero."""
+    out: list[float] = []
+    for f1, t1, f3, t3 in ((a1[0], a1[1], a3[0], a3[1]), (a1[2], a1[3], a3[2], a3[3])):
+        forward_op = max((f3 - f1) / (n3 - n1), 0.0)
+        replay_op = max(((t3 - f3) - (t1 - f1)) / (n3 - n1), 0.0)
+        out += [forward_op, replay_op, max(t1 - (forward_op + replay_op) * n1, 0.0)]
+    return tuple(out)
+
+
+_CACHE: dict[tuple[str, int, int, str], RegionCosts] = {}
 
 
 def _rows(nbytes: int) -> int:
@@ -162,40 +205,43 @@ def _rows(nbytes: int) -> int:
     return min(1 << round(math.log2(rows)), _MAX_ROWS)
 
 
-def cached_region_costs(device: torch.device | str, nbytes: int) -> RegionCosts | None:
-    """The costs :func:`region_costs` measured in this process for ``device`` at the size nearest ``nbytes``, or None
-    (measures nothing)."""
+def cached_region_costs(device: torch.device | str, nbytes: int, family: str = "dense") -> RegionCosts | None:
+    """The costs :func:`region_costs` measured in this process for ``device`` and ``family`` at the size nearest
+    ``nbytes``, or None (measures nothing)."""
     device, threads, rows = str(torch.device(device)), torch.get_num_threads(), _rows(nbytes)
-    sizes = [k[2] for k in _CACHE if k[:2] == (device, threads)]
+    sizes = [k[2] for k in _CACHE if (k[0], k[1], k[3]) == (device, threads, family)]
     if not sizes:
         return None
-    return _CACHE[(device, threads, min(sizes, key=lambda r: abs(math.log2(r) - math.log2(rows))))]
+    return _CACHE[(device, threads, min(sizes, key=lambda r: abs(math.log2(r) - math.log2(rows))), family)]
 
 
-def region_costs(device: torch.device | str, nbytes: int = 512 * 1024) -> RegionCosts:
-    """Measured added seconds of Libra's region executor on ``device`` for activations of about ``nbytes`` each
-    (NOTE [Region overhead]), cached per device, intra-op thread count and size. Takes 0.2-0.6 s on a 2-core CPU."""
+def region_costs(device: torch.device | str, nbytes: int = 512 * 1024, family: str = "dense") -> RegionCosts:
+    """Measured added seconds of Libra's region executor on ``device`` for activations of about ``nbytes`` each,
+    on a block of the ``family``'s layers (``"dense"``: layer norm, linear, GELU; ``"conv"``: convolution, batch
+    norm, ReLU; NOTE [Region overhead]), cached per device, intra-op thread count, size and family. Takes 0.5-1.5 s
+    on a 2-core CPU."""
+    if family not in FAMILIES:
+        raise LibraError(f"region_costs: expected a block family among {FAMILIES}, got {family!r}. Fix: pass "
+                         "'dense' (transformers, MLPs) or 'conv' (convolutional networks).")
     device = torch.device(device)
     rows = _rows(nbytes)
-    key = (str(device), torch.get_num_threads(), rows)
+    key = (str(device), torch.get_num_threads(), rows, family)
     if key not in _CACHE:
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         grad = torch.is_grad_enabled()
         torch.set_grad_enabled(True)
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                n1, f1, t1, pf1, pt1 = _measure(1, rows, device, sync)
-                n3, f3, t3, pf3, pt3 = _measure(3, rows, device, sync)
+                (n1, short), (n3, deep) = (_bench(d, rows, device, family) for d in _DEPTHS)
+                rounds = []
+                for _ in range(_ROUNDS):  # all twelve interleaved, so that a disturbance hits both sides
+                    t1 = {name: _best(f, sync) for name, f in short.items()}
+                    t3 = {name: _best(f, sync) for name, f in deep.items()}
+                    rounds.append(_fit(n1, _added(t1), n3, _added(t3)))
         finally:
             torch.set_grad_enabled(grad)
-
-        def fit(f1, t1, f3, t3):
-            # added = call + per_op * ops on the two depths; noise can make a difference negative: clamp at zero
-            forward_op = max((f3 - f1) / (n3 - n1), 0.0)
-            replay_op = max(((t3 - f3) - (t1 - f1)) / (n3 - n1), 0.0)
-            return forward_op, replay_op, max(t1 - (forward_op + replay_op) * n1, 0.0)
-
-        _CACHE[key] = fit(f1, t1, f3, t3) + fit(pf1, pt1, pf3, pt3)
+        # each round's figures, then their median: one disturbed round moves none of them
+        _CACHE[key] = tuple(statistics.median(r[i] for r in rounds) for i in range(6))
         log.debug("libra: region executor costs on %s at %d-byte activations: %.1f us per forward op, %.1f us per "
                   "replayed op, %.0f us per call (plain checkpoint: %.1f, %.1f, %.0f)", device, rows * _WIDTH * 4,
                   *(c * 1e6 for c in _CACHE[key]))
@@ -250,17 +296,54 @@ def copy_seconds_per_byte(device: torch.device | str, nbytes: int) -> float:
     return _COPY_CACHE[key]
 
 
+def _heavy(name: str) -> bool:
+    """Convolutions and batch norms: ops whose trip through a dispatch mode costs several times a light op's
+    (their long argument lists; batch norm's extra ``empty``), NOTE [Region overhead]."""
+    return "convolution" in name or "batch_norm" in name
+
+
+def conv_weight(names: list[str]) -> float:
+    """How much of the conv family's figures a step whose forward dispatched ``names`` gets: its share of heavy ops
+    over the conv block's (NOTE [Region overhead]), at most 1."""
+    if not names:
+        return 0.0
+    share = sum(map(_heavy, names)) / len(names)
+    if share == 0.0:
+        return 0.0
+    if not _CONV_SHARE:
+        block = _op_names(_Block(1, "conv"), _input("conv", 1, torch.device("cpu")))
+        _CONV_SHARE.append(sum(map(_heavy, block)) / len(block))
+    return min(share / _CONV_SHARE[0], 1.0)
+
+
+_CONV_SHARE: list[float] = []
+
+
+def _mixed(dense: RegionCosts | None, conv: RegionCosts | None, weight: float) -> RegionCosts | tuple:
+    if dense is None or conv is None:
+        return dense or conv or ()
+    return tuple((1.0 - weight) * d + weight * c for d, c in zip(dense, conv))
+
+
 def step_calibrations(ops, storages, device: torch.device, live: bool) -> tuple[tuple, float]:
     """What a recorded step's plans will cost to run on ``device`` (``StepRecording``'s ``calibrate``): the region
-    executor's costs at the step's typical (median) forward activation size (NOTE [Region overhead]), and the
-    seconds per byte of a clone at the size of the largest activation the forward writes in place (what a region's
-    copy-on-write clones; NOTE [Copy cost] in planner/simulate.py), else at the typical size. ``live``: a recording
-    finished inside a live step (from a backward callback) only reads what was measured before; empty costs and 0.0
-    (the planner's fallbacks) if nothing was."""
-    sizes = sorted(storages[s].nbytes for o in ops if not o.backward for s in o.outputs)
+    executor's costs at the step's typical (median) forward activation size, on blocks of the step's mix of light
+    and heavy ops (NOTE [Region overhead]), and the seconds per byte of a clone at the size of the largest
+    activation the forward writes in place (what a region's copy-on-write clones; NOTE [Copy cost] in
+    planner/simulate.py), else at the typical size. ``live``: a recording finished inside a live step (from a
+    backward callback) only reads what was measured before; empty costs and 0.0 (the planner's fallbacks) if nothing
+    was."""
+    forward = [o for o in ops if not o.backward]
+    sizes = sorted(storages[s].nbytes for o in forward for s in o.outputs)
     typical = sizes[len(sizes) // 2] if sizes else 0
-    written = [storages[s].nbytes for o in ops if not o.backward for s in o.writes if not storages[s].static]
+    written = [storages[s].nbytes for o in forward for s in o.writes if not storages[s].static]
     copy_size = max(written) if written else typical
+    weight = conv_weight([o.name for o in forward])
+    # a family that would weigh under 5% is not measured: its share moves the mix less than the noise does
+    families = [f for f, w in (("dense", 1.0 - weight), ("conv", weight)) if w >= 0.05]
     if live:
-        return cached_region_costs(device, typical) or (), cached_copy_seconds_per_byte(device, copy_size)
-    return region_costs(device, typical), copy_seconds_per_byte(device, copy_size)
+        got = {f: cached_region_costs(device, typical, f) for f in families}
+        return (_mixed(got.get("dense"), got.get("conv"), weight),
+                cached_copy_seconds_per_byte(device, copy_size))
+    got = {f: region_costs(device, typical, f) for f in families}
+    return _mixed(got.get("dense"), got.get("conv"), weight), copy_seconds_per_byte(device, copy_size)
