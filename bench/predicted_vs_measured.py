@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="gpt,resnet,unet,mixer")
     ap.add_argument("--sizes", default="test,full")
     ap.add_argument("--shares", default="0.75,0.5")
-    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "SIZE"), help=argparse.SUPPRESS)
     ap.add_argument("--out", default=f"bench/results/predicted-vs-measured-{datetime.date.today().isoformat()}.json")
     args = ap.parse_args(argv)
