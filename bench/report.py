@@ -39,9 +39,10 @@ def table(result: dict) -> str:
     rows = result["methods"]
     eager = rows["eager"]
     head = (f"{'method':40} {'status':10} {'above static':>12} {'vs eager':>8} {'abs peak':>9} {'budget+':>8} "
-            f"{'ratio':>6} {'paired':>6} {'min':>6} {'pred.':>6} {'grads=':>6} {'bufs=':>5} {'plan s':>6}")
+            f"{'ratio':>6} {'paired':>6} {'min':>6} {'pred.':>6} {'bound':>6} {'grads=':>6} {'bufs=':>5} "
+            f"{'plan s':>6}  fastest peer at <= its memory")
     units = (f"{'':40} {'':10} {'MiB':>12} {'':>8} {'MiB':>9} {'MiB':>8} "
-             f"{'':>6} {'':>6} {'ratio':>6} {'ratio':>6} {'':>6} {'':>5} {'':>6}")
+             f"{'':>6} {'':>6} {'ratio':>6} {'ratio':>6} {'ratio':>6} {'':>6} {'':>5} {'':>6}")
     lines = [head, units, "-" * len(head)]
     for name, r in rows.items():
         status = r.get("status", "")
@@ -61,8 +62,9 @@ def table(result: dict) -> str:
             f"{name:40} {status:10} {_mib(above):>12} {share:>8} {_mib(r.get('peak_bytes')):>9} "
             f"{_mib(r.get('budget_above_static_bytes')):>8} {_num(r.get('ratio_to_eager')):>6} "
             f"{_num(r.get('paired_ratio_to_eager')):>6} {_num(r.get('min_ratio_to_eager')):>6} "
-            f"{_num(r.get('predicted_step_ratio')):>6} "
+            f"{_num(r.get('predicted_step_ratio')):>6} {_num(r.get('zero_overhead_ratio')):>6} "
             f"{_yes(r.get('grads_equal')):>6} {_yes(r.get('buffers_equal')):>5} {_num(r.get('planner_seconds')):>6}"
+            + (f"  {_peer_cell(rows, r)}" if r.get("family") == "libra" else "")
         )
     prof = result.get("libra_profile", {})
     lines.append("")
@@ -74,9 +76,35 @@ def table(result: dict) -> str:
         f"static {_mib(prof.get('static_bytes'))} MiB; Libra min budget above static "
         f"{_mib(prof.get('min_budget_above_static_bytes'))} MiB; profile {_num(prof.get('profile_seconds'))} s"
     )
+    lines.append("bound: the exact plan's predicted step at that budget if Libra's runtime cost nothing (no cost per "
+                 "op, call or clone), a floor for any keep/recompute plan over the same regions (bench/bounds.py); "
+                 "fastest peer: the fastest other method whose measured peak is at most this plan's, and Libra's "
+                 "fastest step over its")
     if any(r.get("dispatcher_visible_above_start_bytes") is not None for r in rows.values()):
         lines.append("n/a*: inductor allocates its buffers outside the dispatcher; the live-bytes meter cannot see them")
     return "\n".join(lines)
+
+
+def fastest_peer_at_or_below(rows: dict, row: dict) -> tuple[str, dict] | None:
+    """The fastest timed non-Libra method whose measured peak is at most ``row``'s (name, row), or None."""
+    mem = memory_above_static(row)
+    if mem is None:
+        return None
+    peers = [(n, r) for n, r in rows.items() if r.get("family") not in ("libra", None) and r.get("status") == "ok"
+             and "min_ratio_to_eager" in r and memory_above_static(r) is not None and memory_above_static(r) <= mem]
+    return min(peers, key=lambda p: p[1]["min_ratio_to_eager"], default=None)
+
+
+def _peer_cell(rows: dict, row: dict) -> str:
+    if row.get("status") != "ok" or "min_ratio_to_eager" not in row:
+        return ""
+    got = fastest_peer_at_or_below(rows, row)
+    if got is None:
+        return "none"
+    name, peer = got
+    exact = "" if peer.get("grads_equal") and peer.get("buffers_equal") else ", not bit-identical"
+    return (f"{name} {_mib(memory_above_static(peer))} MiB {peer['min_ratio_to_eager']:.2f}x{exact}: libra "
+            f"{row['min_ratio_to_eager'] / peer['min_ratio_to_eager']:.2f}x its time")
 
 
 def verdicts(result: dict) -> list[dict]:
@@ -124,6 +152,12 @@ def verdicts(result: dict) -> list[dict]:
             f"fastest steps {lib['min_ratio_to_eager']:.2f}x (median {lib['ratio_to_eager']:.2f}x, paired "
             f"{lib['paired_ratio_to_eager']:.2f}x), predicted "
             f"{lib['predicted_step_ratio']:.2f}x")
+    lib = ok_row("libra@50%")
+    if lib and lib.get("zero_overhead_ratio") is not None:
+        gap = lib["min_ratio_to_eager"] / lib["zero_overhead_ratio"]
+        add("libra@50%: step time within 5% of the zero-overhead bound", gap <= 1.05,
+            f"fastest steps {lib['min_ratio_to_eager']:.2f}x eager (median {lib['ratio_to_eager']:.2f}x), predicted "
+            f"{lib['predicted_step_ratio']:.2f}x, bound {lib['zero_overhead_ratio']:.2f}x: {gap:.2f}x the bound")
     full = ok_row("libra@100%")
     if full:
         add("libra@100% (keeps everything, installs nothing): step time <= 1.03x eager",
@@ -198,6 +232,12 @@ def plot_pareto(result: dict, path: str) -> None:
         ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7, color=color)
         if r.get("family") == "libra" and "share" in r:
             libra_pts.append((x, y))
+    bounds = sorted((memory_above_static(r) / MiB, r["zero_overhead_ratio"]) for r in rows.values()
+                    if r.get("family") == "libra" and "share" in r and r.get("zero_overhead_ratio") is not None
+                    and r.get("status") == "ok" and memory_above_static(r) is not None)
+    if bounds:  # at the plan's measured peak: the bound is for the same budget
+        ax.plot([b[0] for b in bounds], [b[1] for b in bounds], color="tab:red", ls="--", lw=1, marker="d",
+                markerfacecolor="none", zorder=2, label="zero-overhead bound (libra's budgets)")
     if libra_pts:
         libra_pts.sort()
         ax.plot([p[0] for p in libra_pts], [p[1] for p in libra_pts], color="tab:red", alpha=0.4, lw=1, zorder=2)

@@ -17,6 +17,7 @@ import libra
 from libra.planner import Planning
 
 from bench import harness, methods
+from bench.bounds import overhead_free, zero_overhead
 from bench.machine import machine_info
 from bench.models import build
 
@@ -139,6 +140,7 @@ def run_model(name: str, quick: bool, warmup: int, steps: int, log=print) -> dic
             budgets.append((f"libra@={peer}", prof.static_bytes + row["above_start_bytes"], {"matched": peer}))
 
     log(f"[{name}] libra: plan {len(budgets)} budgets, check memory and gradients")
+    free = Planning(overhead_free(prof))
     for label, budget, extra in budgets:
         base = {"family": "libra", **extra, "budget_bytes": budget, "budget_above_static_bytes": budget - prof.static_bytes}
         t0 = time.perf_counter()
@@ -153,6 +155,9 @@ def run_model(name: str, quick: bool, warmup: int, steps: int, log=print) -> dic
             rows[label] = {**base, "status": "failed", "stage": "plan", **_error(e)}
             continue
         info = {**base, **_plan_info(plan, budget, time.perf_counter() - t0, prof)}
+        bound = zero_overhead(free, budget)  # what the same regions cost with a runtime that costs nothing
+        if bound["status"] == "ok":
+            info["zero_overhead_ratio"] = bound["predicted_ratio"]
         m = methods.libra_method(model, label, plan, info)
         try:
             res = harness.check(work, snap, m)
