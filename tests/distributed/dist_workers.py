@@ -28,8 +28,9 @@ peak must stay within its rank's budget, and each eager step, counted from the s
 check can fail. The allowance above the budget, 1% and ``PEAK_SLACK_BYTES``, is for FSDP2 on gloo: there eager steps
 also vary by whole all-gathered buffers (16,896 B, one ``fc``'s) from step to step. (A meter entered around the whole
 run would see C++-held tensors without these steps, NOTE [What the allocator holds] in libra/_allocator.py, its
-count drifted upwards here by whole collective buffers per step: frees made on gloo's worker threads seem to go
-unreported.)
+count drifted upwards here by whole collective buffers per step: the CPU meter sees no allocation or free made on
+another thread than the one that started its profiler session, measured with plain Python threads, so frees made on
+gloo's worker threads go unreported.)
 
 NOTE [One plan per rank]: each rank profiles the wrapped model (the DDP module, the ``fully_shard``-ed root) running
 the distributed step, as the user will run it: the plan's module names are then those ``libra.apply`` sees, the

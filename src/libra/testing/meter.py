@@ -47,7 +47,9 @@ class AllocatorMeter:
 
     On CUDA it is ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()``. On CPU, where the
     allocator keeps no statistics, it is the tensor storages live when the block starts (what gc and ``extra`` reach)
-    plus the highest running sum of torch.profiler's memory events during the block. Meters nest, and work with
+    plus the highest running sum of torch.profiler's memory events during the block. Those events come from the
+    thread that started the profiler session only: what another thread allocates or frees (gloo's workers, a thread
+    of your own) goes unseen (torch 2.13; ``profile_all_threads=True`` reports no memory events there at all). Meters nest, and work with
     ``libra.profile`` inside them; not inside a ``torch.profiler.profile`` of your own. Inside another meter, a
     meter and ``libra.profile`` start from what the outer one counts the allocator holding, if that is more than
     gc reaches: tensors only C++ holds (gradients not yet read, DDP's buckets) are then counted too. Enter one
