@@ -218,7 +218,7 @@ def cached_region_costs(device: torch.device | str, nbytes: int, family: str = "
 def region_costs(device: torch.device | str, nbytes: int = 512 * 1024, family: str = "dense") -> RegionCosts:
     """Measured added seconds of Libra's region executor on ``device`` for activations of about ``nbytes`` each,
     on a block of the ``family``'s layers (``"dense"``: layer norm, linear, GELU; ``"conv"``: convolution, batch
-    norm, ReLU; NOTE [Region overhead]), cached per device, intra-op thread count, size and family. Takes 0.5-1.5 s
+    norm, ReLU; NOTE [Region overhead]), cached per device, intra-op thread count, size and family. Takes 0.2-2 s
     on a 2-core CPU."""
     if family not in FAMILIES:
         raise LibraError(f"region_costs: expected a block family among {FAMILIES}, got {family!r}. Fix: pass "
