@@ -49,8 +49,9 @@ def test_a_cnn_is_costed_on_conv_layers_and_a_transformer_on_dense_ones(gpt):
     assert weight == 1.0  # as many heavy ops per op as the conv block has, or more
     conv = [list(c) for k, c in calibrate._CACHE.items() if k[3] == "conv"]
     assert prof.region_costs in conv  # measured on the conv block, at the ResNet's size
-    assert calibrate.conv_weight(["aten.convolution.default"] + ["aten.add.Tensor"] * 5) == pytest.approx(
-        (1 / 6) / calibrate._CONV_SHARE[0])  # a mix: between the two families
+    assert calibrate.conv_weight(["aten.convolution.default"] + ["aten.add.Tensor"] * 5) == pytest.approx(0.5)
+    block = calibrate._op_names(calibrate._Block(1, "conv"), calibrate._input("conv", 1, torch.device("cpu")))
+    assert sum(map(calibrate._heavy, block)) / len(block) == calibrate.CONV_BLOCK_HEAVY_SHARE, block
     with pytest.raises(libra.LibraError, match="block family"):
         region_costs("cpu", 16 * 1024, family="attention")
 
