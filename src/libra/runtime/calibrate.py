@@ -185,13 +185,14 @@ def _added(t: dict) -> tuple[float, float, float, float]:
             t["plain_fwd"] - t["eager_fwd"], t["plain_step"] - t["eager_step"] - t["eager_fwd"])
 
 
-def _fit(n1: int, a1: tuple, n3: int, a3: tuple) -> RegionCosts:
+def _fit(n1: int, a1: tuple, n4: int, a4: tuple) -> RegionCosts:
     """Per forward op, per replayed op and per call, for Libra's modes and for plain checkpoint, from the added
-    seconds at two depths (``_added``); noise can make a difference negative: clamped at zero."""
+    seconds at the two depths (``_added``; ``n1`` and ``n4`` ops); noise can make a difference negative: clamped
+    at zero."""
     out: list[float] = []
-    for f1, t1, f3, t3 in ((a1[0], a1[1], a3[0], a3[1]), (a1[2], a1[3], a3[2], a3[3])):
-        forward_op = max((f3 - f1) / (n3 - n1), 0.0)
-        replay_op = max(((t3 - f3) - (t1 - f1)) / (n3 - n1), 0.0)
+    for f1, t1, f4, t4 in ((a1[0], a1[1], a4[0], a4[1]), (a1[2], a1[3], a4[2], a4[3])):
+        forward_op = max((f4 - f1) / (n4 - n1), 0.0)
+        replay_op = max(((t4 - f4) - (t1 - f1)) / (n4 - n1), 0.0)
         out += [forward_op, replay_op, max(t1 - (forward_op + replay_op) * n1, 0.0)]
     return tuple(out)
 
@@ -232,12 +233,12 @@ def region_costs(device: torch.device | str, nbytes: int = 512 * 1024, family: s
         torch.set_grad_enabled(True)
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                (n1, short), (n3, deep) = (_bench(d, rows, device, family) for d in _DEPTHS)
+                (n1, short), (n4, deep) = (_bench(d, rows, device, family) for d in _DEPTHS)
                 rounds = []
                 for _ in range(_ROUNDS):  # all twelve interleaved, so that a disturbance hits both sides
                     t1 = {name: _best(f, sync) for name, f in short.items()}
-                    t3 = {name: _best(f, sync) for name, f in deep.items()}
-                    rounds.append(_fit(n1, _added(t1), n3, _added(t3)))
+                    t4 = {name: _best(f, sync) for name, f in deep.items()}
+                    rounds.append(_fit(n1, _added(t1), n4, _added(t4)))
         finally:
             torch.set_grad_enabled(grad)
         # each round's figures, then their median: one disturbed round moves none of them

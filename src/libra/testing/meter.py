@@ -49,11 +49,11 @@ class AllocatorMeter:
     allocator keeps no statistics, it is the tensor storages live when the block starts (what gc and ``extra`` reach)
     plus the highest running sum of torch.profiler's memory events during the block. Those events come from the
     thread that started the profiler session only: what another thread allocates or frees (gloo's workers, a thread
-    of your own) goes unseen (torch 2.13; ``profile_all_threads=True`` reports no memory events there at all). Meters nest, and work with
-    ``libra.profile`` inside them; not inside a ``torch.profiler.profile`` of your own. Inside another meter, a
-    meter and ``libra.profile`` start from what the outer one counts the allocator holding, if that is more than
-    gc reaches: tensors only C++ holds (gradients not yet read, DDP's buckets) are then counted too. Enter one
-    meter before the model is built to measure and profile steps from everything the process holds.
+    of your own) goes unseen (torch 2.13; ``profile_all_threads=True`` reports no memory events there at all).
+    Meters nest, and work with ``libra.profile`` inside them; not inside a ``torch.profiler.profile`` of your own.
+    Inside another meter, a meter and ``libra.profile`` start from what the outer one counts the allocator holding,
+    if that is more than gc reaches: tensors only C++ holds (gradients not yet read, DDP's buckets) are then counted
+    too. Enter one meter before the model is built to measure and profile steps from everything the process holds.
 
     Attributes:
         start_bytes: held when the block began. ``peak_bytes``: the most held at once. ``end_bytes``: held at the end.
