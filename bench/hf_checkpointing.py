@@ -45,7 +45,7 @@ def _hf_checkpointing(model: torch.nn.Module) -> Method:
     return Method("hf_gradient_checkpointing", "peer", enabled, model)
 
 
-def _row(name: str, check: harness.CheckResult, reference: harness.CheckResult) -> dict:
+def _row(check: harness.CheckResult, reference: harness.CheckResult) -> dict:
     return {"peak_bytes": check.peak_bytes, "start_bytes": check.start_bytes,
             "above_start_bytes": check.above_start_bytes, **harness.compare(reference, check)}
 
@@ -57,7 +57,11 @@ def run(name: str, build, make_inputs, steps: int, warmup: int, log=print) -> di
     inputs = make_inputs()
     work = Workload(name, model, inputs, None, lambda out, _targets: out.loss, [])
     plain, hf = eager(model), _hf_checkpointing(model)
-    plain.forward = hf.forward = lambda inp: model(**inp)
+
+    def forward(inp):
+        return model(**inp)
+
+    plain.forward = hf.forward = forward
     snap = harness.Snapshot(model)
     harness.run_step(work, plain)  # lazy one-time allocations, outside every measurement
     snap.restore()
@@ -70,8 +74,8 @@ def run(name: str, build, make_inputs, steps: int, warmup: int, log=print) -> di
     snap.restore()
     model.zero_grad(set_to_none=True)
     budget = prof.static_bytes + hf_check.above_start_bytes
-    result = {"model": name, "eager": _row("eager", reference, reference),
-              "hf_gradient_checkpointing": _row("hf", hf_check, reference),
+    result = {"model": name, "eager": _row(reference, reference),
+              "hf_gradient_checkpointing": _row(hf_check, reference),
               "static_bytes": prof.static_bytes, "budget_bytes": budget}
     try:
         plan = libra.plan(prof, budget)
@@ -79,9 +83,9 @@ def run(name: str, build, make_inputs, steps: int, warmup: int, log=print) -> di
         result["libra"] = {"status": "infeasible", "min_budget_bytes": e.min_budget_bytes}
         return result
     ours = libra_method(model, "libra", plan, {})
-    ours.forward = lambda inp: model(**inp)
+    ours.forward = forward
     libra_check = harness.check(work, snap, ours)
-    result["libra"] = {"status": "ok", **_row("libra", libra_check, reference),
+    result["libra"] = {"status": "ok", **_row(libra_check, reference),
                        "predicted_peak_bytes": plan.predicted_peak_bytes,
                        "predicted_step_ratio": plan.predicted_step_seconds / plan.eager_step_seconds,
                        "under_budget": libra_check.peak_bytes <= budget,
@@ -89,9 +93,8 @@ def run(name: str, build, make_inputs, steps: int, warmup: int, log=print) -> di
     snap.restore()
     log(f"[{name}] timing eager, HF checkpointing and Libra: {warmup} warm-up + {steps} rounds")
     times = harness.summarize_times(harness.timed_rounds(work, [plain, hf, ours], warmup, steps, log=lambda *_: None))
-    result["eager"].update(times["eager"])
-    result["hf_gradient_checkpointing"].update(times["hf_gradient_checkpointing"])
-    result["libra"].update(times["libra"])
+    for m in (plain, hf, ours):  # the rows are named as the methods
+        result[m.name].update(times[m.name])
     return result
 
 

@@ -243,9 +243,9 @@ def region_costs(device: torch.device | str, nbytes: int = 512 * 1024, family: s
             torch.set_grad_enabled(grad)
         # each round's figures, then their median: one disturbed round moves none of them
         _CACHE[key] = tuple(statistics.median(r[i] for r in rounds) for i in range(6))
-        log.debug("libra: region executor costs on %s at %d-byte activations: %.1f us per forward op, %.1f us per "
-                  "replayed op, %.0f us per call (plain checkpoint: %.1f, %.1f, %.0f)", device, rows * _WIDTH * 4,
-                  *(c * 1e6 for c in _CACHE[key]))
+        log.debug("libra: region executor costs on %s at %d-byte activations, %s block: %.1f us per forward op, "
+                  "%.1f us per replayed op, %.0f us per call (plain checkpoint: %.1f, %.1f, %.0f)", device,
+                  rows * _WIDTH * 4, family, *(c * 1e6 for c in _CACHE[key]))
     return _CACHE[key]
 
 
@@ -339,9 +339,7 @@ def step_calibrations(ops, storages, device: torch.device, live: bool) -> tuple[
     weight = conv_weight([o.name for o in forward])
     # a family that would weigh under 5% is not measured: its share moves the mix less than the noise does
     families = [f for f, w in (("dense", 1.0 - weight), ("conv", weight)) if w >= 0.05]
-    if live:
-        got = {f: cached_region_costs(device, typical, f) for f in families}
-        return (_mixed(got.get("dense"), got.get("conv"), weight),
-                cached_copy_seconds_per_byte(device, copy_size))
-    got = {f: region_costs(device, typical, f) for f in families}
-    return _mixed(got.get("dense"), got.get("conv"), weight), copy_seconds_per_byte(device, copy_size)
+    costs, copy = ((cached_region_costs, cached_copy_seconds_per_byte) if live
+                   else (region_costs, copy_seconds_per_byte))
+    got = {f: costs(device, typical, f) for f in families}
+    return _mixed(got.get("dense"), got.get("conv"), weight), copy(device, copy_size)
