@@ -12,7 +12,9 @@ backward:
 - ``keep_all``: Libra's region keeping every op's output (nothing recomputed): it holds what eager frees;
 - ``keep_saved``: Libra's region keeping the outputs autograd saves and skipping the other ops in the replay, as a
   plan that recomputes nothing of the call does, and as the calibration measures it (``calibration_plan``);
-- ``keep_none``: Libra's region keeping nothing (every op recomputed by Libra's replay mode).
+- ``keep_none``: Libra's region keeping nothing (every op recomputed by Libra's replay mode);
+- ``guarded_plain``: plain checkpoint whose replay runs under the guard's mode, as a plain call that writes module
+  state does (NOTE [Guarded replay] in runtime/region.py; here it protects nothing, so what is measured is the mode).
 
 Per op added seconds are slopes between the two depths (so a call's fixed cost drops out): forward = slope of the
 forward time over eager's; replay = slope of the step time over eager's, less the forward's, less the recomputed ops'
@@ -35,10 +37,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.machine import write_result
 from libra.planner.types import RegionPlan
 from libra.runtime.calibrate import _WIDTH, _Block, _op_names, _quiet, calibration_plan
-from libra.runtime.region import RegionRun
+from libra.runtime.region import PlainRun, RegionRun
 
 DEPTHS = (4, 12)
 SIZES_KIB = (16, 512)
+VARIANTS = ("null_mode", "plain", "keep_all", "keep_saved", "keep_none", "guarded_plain")
 
 
 class _NullMode(TorchDispatchMode):
@@ -59,6 +62,11 @@ def _functions(depth: int, rows: int) -> tuple[int, dict]:
         run = RegionRun(plan, block, note=_quiet)
         return torch_checkpoint.checkpoint(run.run, x, use_reentrant=False, context_fn=run.contexts)
 
+    def guarded():
+        run = PlainRun(block, plans["keep_none"])
+        run.guarded = True  # the block writes no module state: the mode runs, and protects nothing
+        return torch_checkpoint.checkpoint(run.run, x, use_reentrant=False, context_fn=run.contexts)
+
     def null():
         with _NullMode():
             return block(x)
@@ -70,6 +78,7 @@ def _functions(depth: int, rows: int) -> tuple[int, dict]:
         "keep_all": lambda: region(plans["keep_all"]),
         "keep_saved": lambda: region(plans["keep_saved"]),
         "keep_none": lambda: region(plans["keep_none"]),
+        "guarded_plain": guarded,
     }
     fns = {}
     for name, f in forward.items():
@@ -102,9 +111,9 @@ def measure(rows: int, rounds: int) -> dict:
 
         eager_f, eager_s = slope("eager", "forward"), slope("eager", "step")
         figures = {"eager_op_forward_us": eager_f * 1e6, "eager_op_step_us": eager_s * 1e6}
-        for name in ("null_mode", "plain", "keep_all", "keep_saved", "keep_none"):
+        for name in VARIANTS:
             fwd = slope(name, "forward") - eager_f
-            recomputes = name in ("plain", "keep_none")
+            recomputes = name in ("plain", "keep_none", "guarded_plain")
             replay = slope(name, "step") - eager_s - fwd - (eager_f if recomputes else 0.0)
             figures[name] = {"forward_us": fwd * 1e6, "replay_us": replay * 1e6 if name != "null_mode" else None}
         out[stat_name] = figures
@@ -125,7 +134,7 @@ def main() -> None:
         for stat in ("fastest", "median"):
             f = r[stat]
             cells = []
-            for n in ("null_mode", "plain", "keep_all", "keep_saved", "keep_none"):
+            for n in VARIANTS:
                 replay = "-" if f[n]["replay_us"] is None else format(f[n]["replay_us"], ".1f")
                 cells.append(f"{n} {f[n]['forward_us']:5.1f}/{replay}")
             print(f"{kib:4d} KiB {stat:8s} eager op {f['eager_op_forward_us']:5.1f} us | per op added, forward / "

@@ -480,6 +480,20 @@ def test_module_state_after_leaving_the_profiled_ops_is_updated_once(caplog):
     assert any("blocks.1" in r.getMessage() and "profile had" in r.getMessage() for r in caplog.records)
 
 
+def test_guarded_plain_block_after_leaving_the_profiled_ops():
+    # NOTE [Guarded replay]: a plain block's replay protects the ops its plan names while it follows the profiled
+    # ops, and every buffer an op gets from the first op that does not: the extra op shifts the BatchNorm's index
+    build = stack(am.FlagNormBlock)
+    torch.manual_seed(0)
+    twin = build()  # the model run_case builds, to plan with plain checkpoint cheap and Libra's modes dear
+    prof = fixed_times(libra.profile(twin, lambda: ce_step(twin, features())))
+    prof.region_costs = [1e-4, 1e-4, 1e-3, 1e-6, 1e-6, 1e-5]
+    plan = libra.plan(prof, Planning(prof).min_budget_bytes())
+    assert any(r.module == "blocks.1" and r.plain and r.protect for r in plan.regions), plan.regions
+    res = run_case(build, [features()], before_step=_set_flag("extra"), plan_override=plan, check_peak=False)
+    assert int(res.ours.blocks[1].norm.num_batches_tracked) == STEPS + 1
+
+
 def test_skipped_last_op_after_profiling_warns_and_stays_exact(caplog):
     with caplog.at_level(logging.WARNING, logger="libra"):
         res = run_case(stack(am.FlagBlock), [features()], before_step=_set_flag("short"))

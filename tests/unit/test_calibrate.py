@@ -163,6 +163,55 @@ def test_plain_regions_run_exactly_and_within_budget(gpt, share):
         assert abs(above - predicted) <= 0.05 * plan.predicted_peak_bytes
 
 
+@pytest.mark.parametrize("make", [models.make_resnet, models.make_unet], ids=["resnet", "unet"])
+@pytest.mark.parametrize("share", [0.5, "min"])
+def test_units_that_write_module_state_go_plain_with_a_guarded_replay(make, share):
+    """NOTE [Guarded replay]: BatchNorm blocks may be plain; their replay writes the running statistics and
+    ``num_batches_tracked`` to private copies, so after each step every buffer equals eager's (plain checkpoint
+    alone counts each BatchNorm twice), gradients too, and the step stays within its budget."""
+    model, x, y, loss_fn = make(batch=2, size=16)
+    eager = copy.deepcopy(model)
+    torch.manual_seed(3)
+    prof = _cheap_plain(libra.profile(model, lambda: loss_fn(model(x), y).backward()))
+    torch.manual_seed(3)
+    loss_fn(eager(x), y).backward()
+    planning = Planning(prof)
+    assert any(u.protect and u.plain_ok for u in planning.units)
+    budget = planning.min_budget_bytes() if share == "min" else max(prof.budget_for_share(share),
+                                                                     planning.min_budget_bytes())
+    plan = libra.plan(planning, budget)
+    guarded = [r for r in plan.regions if r.plain and r.protect]
+    assert guarded, [(r.module, r.plain, bool(r.protect)) for r in plan.regions]
+    again = libra.Plan.load(_saved(plan))
+    assert [(r.plain, r.protect) for r in again.regions] == [(r.plain, r.protect) for r in plan.regions]
+    for i in range(2):
+        torch.manual_seed(10 + i)
+        with AllocatorMeter(extra=list(model.parameters())) as meter, libra.apply(model, plan):
+            loss_o = loss_fn(model(x), y)
+            loss_o.backward()
+        torch.manual_seed(10 + i)
+        loss_e = loss_fn(eager(x), y)
+        loss_e.backward()
+        assert torch.equal(loss_e, loss_o)
+        assert_grads_equal(eager, model)  # buffers included: each BatchNorm counted once per step
+        del loss_e, loss_o
+        assert meter.peak_bytes - meter.start_bytes <= budget - prof.static_bytes
+    tracked = [b for n, b in model.named_buffers() if n.endswith("num_batches_tracked")]
+    assert tracked and all(int(b) == 3 for b in tracked)  # the profiled step and two more
+
+
+def test_plain_replay_guards_only_units_that_write_module_state():
+    """NOTE [Plain regions]: a guarded plain unit pays the guard's mode per replayed op, an unguarded one does not."""
+    model, x, y, loss_fn = models.make_resnet(batch=2, size=16)
+    prof = _cheap_plain(libra.profile(model, lambda: loss_fn(model(x), y).backward()))
+    sim = Planning(prof).sim
+    costs = {bool(u.protect): sim.plain_replay_op(ui) for ui, u in enumerate(sim.units)}
+    per_op, _, _, plain_forward, plain_replay, _ = prof.region_costs
+    assert costs[True] == pytest.approx(plain_replay + per_op - plain_forward)
+    if False in costs:
+        assert costs[False] == plain_replay
+
+
 def _saved(plan):
     import tempfile
     from pathlib import Path

@@ -46,8 +46,8 @@ SAFETY_MARGIN = 0.01
 # ten that ran every layer (the skipped layers' gradients); with a stack of pairs planned in parts and no replay
 # reserved, 1.0 MiB (the dropped pair's replay, whole); with all of it charged at every op of the step (until
 # 2026-12-07), the Whisper's minimum was 78% of its activations and its steps ran 10.5 MiB under. A layer whose twin
-# plain checkpoint cannot replay exactly (BatchNorm statistics), or a step under a plan that checkpoints nothing (a
-# budget above eager's peak with the reserve), runs as it is, which no reserve covers.
+# plain checkpoint cannot replay exactly (a random op handed its own generator), or a step under a plan that
+# checkpoints nothing (a budget above eager's peak with the reserve), runs as it is, which no reserve covers.
 
 FAMILY_MAX_UNITS = 128  # selections with more units plan with the front alone (NOTE [Option family])
 

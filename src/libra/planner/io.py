@@ -167,8 +167,8 @@ def plan_from_dict(data: dict, path="<dict>") -> Plan:
         if any(j >= len(r["ops"]) for j in skip) or set(skip) & set(save):
             raise _fail(path, f"{where}.skip names an op beyond the region's ops or one it saves")
         plain = r.get("plain", False)
-        if plain and (save or offload or skip or protect):
-            raise _fail(path, f"{where} is plain (recomputes everything) but saves, offloads, skips or protects ops")
+        if plain and (save or offload or skip):
+            raise _fail(path, f"{where} is plain (recomputes everything) but saves, offloads or skips ops")
         hooked = r.get("hooked", False)
         if hooked and (plain or save or offload or skip or protect):
             raise _fail(path, f"{where} is hooked (offloads everything it saves) but is also plain, or saves, "

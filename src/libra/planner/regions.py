@@ -371,7 +371,6 @@ def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], di
                 offloadable=set(),
                 protect=protect,
                 input_shapes=c.input_shapes,
-                plain_ok=not protect,  # plain checkpoint would write module state (BatchNorm stats) twice
             )
             units[key] = unit
         elif unit.op_names != names:
@@ -398,13 +397,13 @@ def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], di
 def unprofiled_siblings(profile: Profile) -> dict[str, int]:
     """NOTE [Unprofiled siblings] (runtime/apply.py), seen from the profile: modules the profiled step never called
     whose container holds a sibling with the same parameters (relative names, shapes, dtypes) that it did call,
-    as layer drop leaves them, and whose sibling's call plain checkpoint replays exactly (it writes no module state
-    and no tensor made before it, hands no generator to a random op). Returns fqn -> index of the called sibling's
-    first module call.
+    as layer drop leaves them, and whose sibling's call plain checkpoint replays exactly (it writes no tensor made
+    before it but module state, which the guarded replay protects, NOTE [Guarded replay] in runtime/region.py, and
+    hands no generator to a random op). Returns fqn -> index of the called sibling's first module call.
 
     Later steps that run such a module under a plan run it recomputed whole (plain checkpoint), holding its input
     until its backward: memory the profiled step never needed (:func:`unprofiled_reserve`). One whose sibling
-    cannot be replayed exactly (BatchNorm's statistics) runs as it is, keeping its activations."""
+    cannot be replayed exactly (a generator of its own) runs as it is, keeping its activations."""
     params: dict[str, dict[str, tuple]] = {}  # module fqn (a container's child) -> its parameters, relative
     for name, shape, dtype in profile.parameters:
         parts = name.split(".")
@@ -432,8 +431,8 @@ def unprofiled_siblings(profile: Profile) -> dict[str, int]:
 
     def exact(ci: int) -> bool:
         c = profile.module_calls[ci]
-        reasons, protect, _, _ = _refusals(profile, c, first_bwd, writes_at)
-        return not reasons and not protect and not any(profile.ops[i].generator for i in range(c.start_op, c.end_op))
+        reasons, _, _, _ = _refusals(profile, c, first_bwd, writes_at)
+        return not reasons and not any(profile.ops[i].generator for i in range(c.start_op, c.end_op))
 
     return {fqn: ci for fqn, ci in out.items() if exact(ci)}
 

@@ -25,10 +25,12 @@ State = dict[int, frozenset[int]]
 
 # NOTE [Plain regions]: a unit whose entry is PLAIN runs under plain ``torch.utils.checkpoint``, without Libra's
 # modes: nothing is cached (outputs that escape the call are recomputed too), no op is skipped, and it costs what
-# checkpoint itself costs, which on a CPU is far less per op than the modes (runtime/calibrate.py). The planner
-# turns a unit plain after solving when that fits the budget and is faster; units that write module state (BatchNorm
-# running stats) never are, since checkpoint would update it a second time, nor units with a random op handed its own
-# torch.Generator (checkpoint restores only the default generators, so the replay would draw other numbers).
+# checkpoint itself costs, which on a CPU is far less per op than the modes (runtime/calibrate.py). A unit that
+# writes module state (BatchNorm's running statistics) replays under one light mode that gives those writes private
+# copies (NOTE [Guarded replay] in runtime/region.py): its forward costs what plain checkpoint's does, each replayed
+# op what the forward mode costs over plain checkpoint besides (``plain_replay_op``). Units with a random op handed
+# its own torch.Generator are never plain (checkpoint restores only the default generators, so the replay would
+# draw other numbers).
 PLAIN: frozenset[int] = frozenset({1 << 40})
 
 # NOTE [Hooked regions]: a unit whose entry is HOOKED runs under saved-tensor hooks alone: no checkpoint, no
@@ -686,7 +688,16 @@ class Simulator:
         exact = self._exact_op_seconds(ui)
         skip = set() if plain else self.skip_of(ui, saved)
         seconds.total += sum(exact[local] for local in range(span) if local not in saved and local not in skip)
-        seconds.add(span * (self.plain_costs[1] if plain else self.per_replay_op))
+        seconds.add(span * (self.plain_replay_op(ui) if plain else self.per_replay_op))
+
+    def plain_replay_op(self, ui: int) -> float:
+        """Seconds a plain call of unit ``ui`` adds per replayed op: plain checkpoint's, and for a unit that writes
+        module state, what the guard's mode costs, as much as the forward mode adds over plain checkpoint's hooks
+        (NOTE [Plain regions])."""
+        plain_forward, plain_replay, _ = self.plain_costs
+        if self.units[ui].protect:
+            return plain_replay + max(self.per_op - plain_forward, 0.0)
+        return plain_replay
 
     def _exact_op_seconds(self, ui: int) -> list[int]:
         """Each op's seconds per instance of unit ``ui`` as :class:`_ExactSum` terms (summed as integers, exactly as

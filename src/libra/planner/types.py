@@ -35,7 +35,9 @@ class RegionPlan:
             on them (NOTE [Dead ops in a replay], runtime/region.py); they return uninitialized tensors of the
             shapes the forward saw. Never in ``save``.
         plain: run the call under plain ``torch.utils.checkpoint``, without Libra's modes (NOTE [Plain regions] in
-            planner/simulate.py): everything is recomputed; ``save``, ``offload`` and ``skip`` are empty.
+            planner/simulate.py): everything is recomputed; ``save``, ``offload`` and ``skip`` are empty; where
+            ``protect`` is not, the replay alone runs under a mode that guards module state (NOTE [Guarded replay]
+            in runtime/region.py).
         hooked: run the call under saved-tensor hooks that copy what it saves to host memory and back, with no
             checkpoint (NOTE [Hooked regions] in planner/simulate.py): nothing is recomputed; ``save``,
             ``offload`` and ``skip`` are empty.
@@ -43,9 +45,10 @@ class RegionPlan:
             its own tensors (not its inputs, parameters or buffers) in the order autograd makes them; the saves of
             what the call returns.
         offload_inputs: hooked only: the inputs it saves go to host memory too (nothing else saves them).
-        plain_ok: plain checkpoint would recompute it exactly (it writes no module state and hands no random op a
-            generator of its own): a call that gets other input shapes than planned runs that way, recomputed whole,
-            instead of keeping everything (NOTE [Unplanned shapes] in runtime/apply.py).
+        plain_ok: plain checkpoint would recompute it exactly (it hands no random op a generator of its own; what
+            it writes to module state the guarded replay protects): a call that gets other input shapes than planned
+            runs that way, recomputed whole, instead of keeping everything (NOTE [Unplanned shapes] in
+            runtime/apply.py).
         prefetch_after: ``[module, call]`` of the call whose backward start brings this call's offloaded tensors
             back (NOTE [Prefetch] in planner/simulate.py), planned or not; empty: they come back when this call's
             own backward starts.

@@ -57,10 +57,14 @@ class _RegionForward:
         self.fqn = fqn
         self.forward = forward
 
-    def _plain(self, args, kwargs, key: tuple[str, int] | None = None):
-        """The call under plain ``torch.utils.checkpoint``, recomputed whole (NOTE [Plain regions])."""
-        plain = PlainRun(self.forward)
+    def _plain(self, args, kwargs, key: tuple[str, int] | None = None, region: RegionPlan | None = None):
+        """The call under plain ``torch.utils.checkpoint``, recomputed whole (NOTE [Plain regions]); its replay
+        guarded where it writes module state, or may (NOTE [Guarded replay])."""
+        plain = PlainRun(self.forward, region, self.session.buffer_keys())
         self.session.track(plain, key)
+        if plain.guarded:
+            return torch_checkpoint.checkpoint(plain.run, *args, use_reentrant=False, preserve_rng_state=True,
+                                               context_fn=plain.contexts, **kwargs)
         return torch_checkpoint.checkpoint(plain.run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     def __call__(self, *args, **kwargs):
@@ -96,7 +100,7 @@ class _RegionForward:
                     "libra: %r got inputs of shapes %s, planned for %s; recomputing it whole (plain checkpoint) "
                     "at those shapes.", self.fqn, shapes, region.input_shapes, level=logging.INFO,
                 )
-                return self._plain(args, kwargs, key)
+                return self._plain(args, kwargs, key, region)
             self.session.note_once(
                 ("shapes", self.fqn),
                 "libra: %r got inputs of shapes %s, planned for %s; running it without recompute. "
@@ -128,7 +132,7 @@ class _RegionForward:
             if debug_enabled():
                 log.debug("libra: %s[%d] runs under plain checkpoint (everything recomputed)", region.module,
                           region.call)
-            return self._plain(args, kwargs, key)
+            return self._plain(args, kwargs, key, region)
         run = RegionRun(region, self.forward, self.session.offload, note=self.session.note_once,
                         buffer_keys=self.session.buffer_keys())
         self.session.track(run, key)

@@ -230,17 +230,36 @@ class TriggerRun:
 class PlainRun:
     """One call of a plain region (NOTE [Plain regions] in planner/simulate.py): the function plain checkpoint runs,
     once for the forward and once per replay. Its replay starts its backward, which may bring a later call's
-    offloaded outputs back (NOTE [Prefetch]), as the simulator assumes."""
+    offloaded outputs back (NOTE [Prefetch]), as the simulator assumes.
 
-    def __init__(self, forward) -> None:
+    NOTE [Guarded replay]: a call that writes module state (BatchNorm's running statistics) would write it a second
+    time in a plain replay. Such a call's replay runs under one light dispatch mode (``contexts``; the forward runs
+    under none, so it costs what plain checkpoint costs) that hands those ops private copies of what they write: the
+    ops the plan's ``protect`` names while the replay follows the profiled ops (``region``), and every module buffer
+    an op gets from the first op that does not (the call left the profiled sequence: NOTE [Leaving the profiled
+    ops]) or where there is no plan for the call (``region`` None). ``guarded`` says whether it needs one."""
+
+    def __init__(self, forward, region: "RegionPlan | None" = None, buffer_keys: "set[int] | None" = None) -> None:
         self.forward = forward
         self.on_backward = None
         self.calls = 0
+        self.buffer_keys = buffer_keys or set()
+        self.protect = region.protect if region is not None else {}
+        self.ops = region.ops if region is not None else []
+        self.guarded = bool(self.protect) if region is not None else bool(self.buffer_keys)
+        self.index = 0  # the replay's op count
+        self.following = region is not None
+
+    def contexts(self):
+        return contextlib.nullcontext(), _GuardMode(self)
 
     def run(self, *args, **kwargs):
         self.calls += 1
-        if self.calls > 1 and self.on_backward is not None:
-            self.on_backward()
+        if self.calls > 1:
+            self.index = 0
+            self.following = bool(self.ops)
+            if self.on_backward is not None:
+                self.on_backward()
         return self.forward(*args, **kwargs)
 
     def prefetch(self) -> None:
@@ -487,11 +506,6 @@ class RegionRun:
                     )
                     self.versions[index] = _versions(self.cache[index])
 
-    def buffer_args(self, func, args, kwargs) -> set[str]:
-        """The arguments of an op that are module buffers (NOTE [Leaving the profiled ops])."""
-        return {name for name, value in arg_values(func, args, kwargs)
-                if any(storage_key(t) in self.buffer_keys for t in tensors_in(value))}
-
     def diverged(self, index: int, name: str) -> None:
         self.following = False
         self.diverged_at = index
@@ -602,7 +616,7 @@ class _ReplayMode(_RegionMode):
                 protect = r.region.protect.get(index)
                 names = set(protect) if protect else _NO_NAMES
             else:  # NOTE [Leaving the profiled ops]
-                names = r.buffer_args(func, args, kwargs)
+                names = _buffer_args(r.buffer_keys, func, args, kwargs)
             info = op_info(func)
             if info.write_args:
                 names = set(names)
@@ -631,6 +645,32 @@ class _ReplayMode(_RegionMode):
             for t in _leaves(out):
                 r.replay_storages.add(storage_key(t))
         return out
+
+
+class _GuardMode(_RegionMode):
+    """A guarded plain call's replay (NOTE [Guarded replay])."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in UNCOUNTED or _INTERNAL.active:
+            return func(*args, **kwargs)
+        r = self.r
+        index = r.index
+        r.index += 1
+        if r.following and (index >= len(r.ops) or r.ops[index] != op_info(func).name):
+            r.following = False
+        names = r.protect.get(index) if r.following else _buffer_args(r.buffer_keys, func, args, kwargs)
+        if names:
+            args, kwargs = _private_copies(func, args, kwargs, names)
+        return func(*args, **kwargs)
+
+
+def _buffer_args(buffer_keys: set[int], func, args, kwargs) -> set[str]:
+    """The arguments of an op that are module buffers (NOTE [Leaving the profiled ops])."""
+    if not buffer_keys:
+        return _NO_NAMES
+    return {name for name, value in arg_values(func, args, kwargs)
+            if any(storage_key(t) in buffer_keys for t in tensors_in(value))}
 
 
 def _on_device(r: RegionRun, cached):
