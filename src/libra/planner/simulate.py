@@ -28,7 +28,9 @@ State = dict[int, frozenset[int]]
 # checkpoint itself costs, which on a CPU is far less per op than the modes (runtime/calibrate.py). A unit that
 # writes module state (BatchNorm's running statistics) replays under one light mode that gives those writes private
 # copies (NOTE [Guarded replay] in runtime/region.py): its forward costs what plain checkpoint's does, each replayed
-# op what the forward mode costs over plain checkpoint besides (``plain_replay_op``). Units with a random op handed
+# op what Libra's replay mode costs (``plain_replay_op``): both are one dispatch mode under checkpoint's replay, which
+# also routes the ``detach`` of each save through it, and they measured alike per op (``bench/executor_cost.py``,
+# 16 KiB activations: 16.0-17.8 us added against 15.9-18.0, plain checkpoint's 8.6-9.2). Units with a random op handed
 # its own torch.Generator are never plain (checkpoint restores only the default generators, so the replay would
 # draw other numbers).
 PLAIN: frozenset[int] = frozenset({1 << 40})
@@ -692,12 +694,8 @@ class Simulator:
 
     def plain_replay_op(self, ui: int) -> float:
         """Seconds a plain call of unit ``ui`` adds per replayed op: plain checkpoint's, and for a unit that writes
-        module state, what the guard's mode costs, as much as the forward mode adds over plain checkpoint's hooks
-        (NOTE [Plain regions])."""
-        plain_forward, plain_replay, _ = self.plain_costs
-        if self.units[ui].protect:
-            return plain_replay + max(self.per_op - plain_forward, 0.0)
-        return plain_replay
+        module state (its replay under the guard's mode) what Libra's replay mode adds (NOTE [Plain regions])."""
+        return self.per_replay_op if self.units[ui].protect else self.plain_costs[1]
 
     def _exact_op_seconds(self, ui: int) -> list[int]:
         """Each op's seconds per instance of unit ``ui`` as :class:`_ExactSum` terms (summed as integers, exactly as
