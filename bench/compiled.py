@@ -24,7 +24,7 @@ import torch
 import torch._functorch.config as functorch_config
 
 from bench import harness
-from bench.machine import machine_info
+from bench.machine import machine_info, steady_malloc
 from bench.methods import Method, eager
 from bench.models import build
 
@@ -102,6 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    steady_malloc()  # NOTE [Page faults on CPU] in bench/machine.py
     if a.threads:
         torch.set_num_threads(a.threads)
     out = run_compiled(a.model, a.quick, a.backend, a.budget, a.warmup, a.steps, log=lambda s: print(s, flush=True))

@@ -34,7 +34,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.machine import write_result
+from bench.machine import steady_malloc, write_result
 from libra.planner.types import RegionPlan
 from libra.runtime.calibrate import _WIDTH, _Block, _op_names, _quiet, calibration_plan
 from libra.runtime.region import PlainRun, RegionRun
@@ -127,6 +127,7 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES_KIB)), help="activation sizes in KiB")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    steady_malloc()  # NOTE [Page faults on CPU] in bench/machine.py
     torch.set_num_threads(args.threads)
     results = {}
     for kib in map(int, args.sizes.split(",")):

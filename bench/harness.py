@@ -21,7 +21,7 @@ from libra.testing import AllocatorMeter
 from bench.methods import Method
 from bench.models import Workload
 
-__all__ = ["Meter", "Snapshot", "CheckResult", "check", "timed_rounds", "summarize_times", "STEP_SEED"]
+__all__ = ["Snapshot", "CheckResult", "check", "timed_rounds", "summarize_times", "STEP_SEED"]
 
 STEP_SEED = 1234  # torch.manual_seed before every step: dropout draws the same masks for every method
 

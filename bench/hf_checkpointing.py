@@ -21,7 +21,7 @@ import torch
 
 import libra
 from bench import harness
-from bench.machine import write_result
+from bench.machine import steady_malloc, write_result
 from bench.methods import Method, eager, libra_method
 from bench.models import Workload
 from bench.real_models import hf_cases
@@ -105,6 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=f"bench/results/hf-checkpointing-{datetime.date.today().isoformat()}.json")
     args = ap.parse_args(argv)
+    steady_malloc()  # NOTE [Page faults on CPU] in bench/machine.py
     torch.set_num_threads(2)
     cases = hf_cases()
     rows = []

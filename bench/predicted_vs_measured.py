@@ -107,6 +107,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     shares = [float(s) for s in args.shares.split(",")]
     if args.worker:
+        from bench.machine import steady_malloc
+
+        steady_malloc()  # NOTE [Page faults on CPU] in bench/machine.py
         print(json.dumps(worker(*args.worker, shares, args.steps)))
         return 0
     from bench.machine import write_result

@@ -18,7 +18,7 @@ from libra.planner import Planning
 
 from bench import harness, methods
 from bench.bounds import overhead_free, zero_overhead
-from bench.machine import machine_info
+from bench.machine import machine_info, steady_malloc
 from bench.models import build
 
 __all__ = ["run_model", "SHARES"]
@@ -190,6 +190,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    steady_malloc()  # NOTE [Page faults on CPU] in bench/machine.py
     if a.threads:
         torch.set_num_threads(a.threads)
     result = run_model(a.model, a.quick, a.warmup, a.steps, log=lambda s: print(s, flush=True))
