@@ -144,7 +144,18 @@ def test_plain_regions_run_exactly_and_within_budget(gpt, share):
     assert [r.plain for r in again.regions] == [r.plain for r in plan.regions]
 
     eager, ours = copy.deepcopy(model), copy.deepcopy(model)
-    for i in range(2):
+    for meter in _side_by_side(eager, ours, x, y, loss_fn, plan):  # dropout replays draw what the forward drew
+        # the meter sees every live tensor (the fixture's and the eager copy's too): compare above what was live
+        above, predicted = meter.peak_bytes - meter.start_bytes, plan.predicted_peak_bytes - prof.static_bytes
+        assert above <= budget - prof.static_bytes
+        assert abs(above - predicted) <= 0.05 * plan.predicted_peak_bytes
+
+
+def _side_by_side(eager, ours, x, y, loss_fn, plan, steps: int = 2) -> list:
+    """``steps`` steps of ``eager`` as it is and of ``ours`` under ``plan``, each checked equal (loss, gradients,
+    parameters, buffers); the meter of each of ours."""
+    meters = []
+    for i in range(steps):
         torch.manual_seed(10 + i)
         with AllocatorMeter(extra=list(ours.parameters())) as meter, libra.apply(ours, plan):
             loss_o = loss_fn(ours(x), y)
@@ -153,14 +164,12 @@ def test_plain_regions_run_exactly_and_within_budget(gpt, share):
         loss_e = loss_fn(eager(x), y)
         loss_e.backward()
         assert torch.equal(loss_e, loss_o)
-        assert_grads_equal(eager, ours)  # dropout replays draw what the forward drew
+        assert_grads_equal(eager, ours)
         del loss_e, loss_o
         for m in (eager, ours):
             m.zero_grad(set_to_none=True)
-        # the meter sees every live tensor (the fixture's and the eager copy's too): compare above what was live
-        above, predicted = meter.peak_bytes - meter.start_bytes, plan.predicted_peak_bytes - prof.static_bytes
-        assert above <= budget - prof.static_bytes
-        assert abs(above - predicted) <= 0.05 * plan.predicted_peak_bytes
+        meters.append(meter)
+    return meters
 
 
 @pytest.mark.parametrize("make", [models.make_resnet, models.make_unet], ids=["resnet", "unet"])
@@ -184,17 +193,7 @@ def test_units_that_write_module_state_go_plain_with_a_guarded_replay(make, shar
     assert guarded, [(r.module, r.plain, bool(r.protect)) for r in plan.regions]
     again = libra.Plan.load(_saved(plan))
     assert [(r.plain, r.protect) for r in again.regions] == [(r.plain, r.protect) for r in plan.regions]
-    for i in range(2):
-        torch.manual_seed(10 + i)
-        with AllocatorMeter(extra=list(model.parameters())) as meter, libra.apply(model, plan):
-            loss_o = loss_fn(model(x), y)
-            loss_o.backward()
-        torch.manual_seed(10 + i)
-        loss_e = loss_fn(eager(x), y)
-        loss_e.backward()
-        assert torch.equal(loss_e, loss_o)
-        assert_grads_equal(eager, model)  # buffers included: each BatchNorm counted once per step
-        del loss_e, loss_o
+    for meter in _side_by_side(eager, model, x, y, loss_fn, plan):  # buffers equal: each BatchNorm counted once
         assert meter.peak_bytes - meter.start_bytes <= budget - prof.static_bytes
     tracked = [b for n, b in model.named_buffers() if n.endswith("num_batches_tracked")]
     assert tracked and all(int(b) == 3 for b in tracked)  # the profiled step and two more
