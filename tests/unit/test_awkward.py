@@ -571,6 +571,21 @@ def test_a_layer_the_profiled_step_dropped_is_recomputed_whole(caplog, share):
         assert whole.peak_bytes < keep.peak_bytes, (i, whole.peak_bytes, keep.peak_bytes)
 
 
+def test_a_dropped_batchnorm_layer_is_recomputed_whole_and_counts_once(caplog):
+    """NOTE [Guarded replay]: a BatchNorm block the profiled step skipped is recomputed whole like its planned
+    siblings (it ran as it was before BatchNorm blocks could be plain), its replay guarded, so its running statistics
+    and ``num_batches_tracked`` match eager's after every step and the step stays under the budget."""
+    def skip(i, model):
+        model.skip = 2 if i == 0 else None
+
+    with caplog.at_level(logging.INFO, logger="libra"):
+        res = run_case(lambda: am.LayerDropStack(am.BatchNormBlock, depth=6), [features()], steps=2, share=0.5,
+                       before_step=skip)
+    assert Planning(res.profile).unprofiled == ["blocks.2"]
+    assert any("'blocks.2' ran, which the profiled step did not call" in r.getMessage() for r in caplog.records)
+    assert int(res.ours.blocks[2].bn1.num_batches_tracked) == 2  # the two steps after the profiled one ran it
+
+
 @pytest.mark.parametrize("share", [0.5, 0.0], ids=["half", "minimum"])
 def test_a_dropped_layer_whose_twin_is_planned_in_parts_is_recomputed_whole(caplog, share):
     """NOTE [Unprofiled siblings]: the plan checkpoints parts of the pairs (``blocks.0.a``), no pair whole, so the

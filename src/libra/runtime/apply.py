@@ -60,7 +60,10 @@ class _RegionForward:
     def _plain(self, args, kwargs, key: tuple[str, int] | None = None, region: RegionPlan | None = None):
         """The call under plain ``torch.utils.checkpoint``, recomputed whole (NOTE [Plain regions]); its replay
         guarded where it writes module state, or may (NOTE [Guarded replay])."""
-        plain = PlainRun(self.forward, region, self.session.buffer_keys())
+        # with no plan for the call (a layer the profiled step skipped), a module without buffers of its own has no
+        # state to write twice: no guard, whose fallback would clone every buffer an op reads (a mask)
+        owns_state = region is not None or next(self.module.buffers(), None) is not None
+        plain = PlainRun(self.forward, region, self.session.buffer_keys() if owns_state else set())
         self.session.track(plain, key)
         if plain.guarded:
             return torch_checkpoint.checkpoint(plain.run, *args, use_reentrant=False, preserve_rng_state=True,
