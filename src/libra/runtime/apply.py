@@ -65,10 +65,9 @@ class _RegionForward:
         owns_state = region is not None or next(self.module.buffers(), None) is not None
         plain = PlainRun(self.forward, region, self.session.buffer_keys() if owns_state else set())
         self.session.track(plain, key)
-        if plain.guarded:
-            return torch_checkpoint.checkpoint(plain.run, *args, use_reentrant=False, preserve_rng_state=True,
-                                               context_fn=plain.contexts, **kwargs)
-        return torch_checkpoint.checkpoint(plain.run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        context_fn = plain.contexts if plain.guarded else torch_checkpoint.noop_context_fn
+        return torch_checkpoint.checkpoint(plain.run, *args, use_reentrant=False, preserve_rng_state=True,
+                                           context_fn=context_fn, **kwargs)
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():

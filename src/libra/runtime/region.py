@@ -247,8 +247,9 @@ class PlainRun:
         self.protect = region.protect if region is not None else {}
         self.ops = region.ops if region is not None else []
         self.guarded = bool(self.protect) if region is not None else bool(self.buffer_keys)
-        self.index = 0  # the replay's op count
-        self.following = region is not None
+        # the replay's op count, and whether it still follows the profiled ops: set as each replay starts (run)
+        self.index = 0
+        self.following = False
 
     def contexts(self):
         return contextlib.nullcontext(), _GuardMode(self)
