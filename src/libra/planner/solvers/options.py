@@ -3,9 +3,10 @@ in the budget by choosing from a budget-independent family (NOTE [Option family]
 
 Growth: at the estimated peak, one unit switches to the option that frees the most bytes there per second it adds
 (one that frees bytes there for no added time first); repeat. The estimate is eager's curve plus the chosen
-options' effects, kept dense (:class:`Curve`). Trim: each unit of a fitting plan, the costliest first, drops to its
-cheapest option (or none) the estimate still fits; the simulator checks, and where it disagrees the longest prefix
-of the drops it accepts is kept.
+options' effects, kept dense (:class:`Curve`). Trim: each unit of a fitting plan the estimate still fits without,
+the costliest first, is dropped; then each unit left moves to its cheapest option the estimate still fits, the
+moves that save the most first; the simulator checks, and where it disagrees the longest prefix of the drops and
+moves it accepts is kept.
 
 NOTE [Option family]: a larger budget must never give a slower plan (NOTE [Monotone in the budget] in
 ``front.py``), so the plan for ``b`` is the cheapest member, by simulated added seconds, of a family that does not
@@ -176,17 +177,57 @@ def path(problem: Problem, by_bytes: bool = False) -> list[Choice]:
     return [dict(choice) for _ in _growth(problem, choice, Curve(problem, problem.eager), by_bytes=by_bytes)]
 
 
-def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tuple[Choice, np.ndarray]:
+def _cheaper(problem: Problem, budget: int, ui: int, o: int, curve: np.ndarray,
+             unit_terms: np.ndarray) -> tuple[int | None, float]:
+    """Unit ``ui``'s cheapest option (None: not checkpointed) that keeps ``curve`` (without ``ui``'s option ``o``)
+    within ``budget`` and costs less than ``o`` with the other units as they are, and the seconds it saves; ``(o,
+    0.0)`` where none does."""
+    lo, eff = problem.span(o)
+    if not eff.size:
+        return None, 0.0
+    # over the budget only in the span: an option must take bytes off at its highest op
+    top = lo + int(np.argmax(curve[lo: lo + eff.size]))
+    over = int(curve[top]) - budget
+    if over <= 0:
+        totals = unit_terms.sum(axis=0)
+        return None, float(problem.sim.added_seconds(totals) - problem.sim.added_seconds(totals - unit_terms[ui]))
+    mine = problem.unit_options(ui)
+    able = mine[problem.values_at(top)[mine] <= -over]
+    if not able.size:
+        return o, 0.0
+    added = _added(problem, unit_terms, able)  # against the plan with ``o``
+    less = added < 0
+    if not less.any():
+        return o, 0.0
+    upto = np.maximum.accumulate(curve)  # the largest value up to each op and from each op on
+    after = np.maximum.accumulate(curve[::-1])[::-1]
+    for k in np.lexsort((able[less], added[less])):  # cheapest first, then by index
+        c = int(able[less][k])
+        clo, ceff = problem.span(c)
+        hi = clo + ceff.size
+        if (clo and upto[clo - 1] > budget) or (hi < problem.n_t and after[hi] > budget):
+            continue
+        if int((curve[clo:hi] + ceff).max()) > budget:
+            continue
+        return c, -float(added[less][k])
+    return o, 0.0
+
+
+def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray,
+         simulate=None) -> tuple[Choice, np.ndarray]:
     """``choice`` (which the simulator fits under ``budget``, curve ``live``) without each unit the estimate still
-    fits without, costliest first, then with each unit left, costliest first, moved to its cheapest option the
-    estimate still fits, cheapest with the other units' choices as they are (a busy host link makes an offload that
-    is cheap alone dear); checked by the simulator (NOTE [Option family cost]). Whole units go first: a unit moved
-    to a cheaper option can spend the slack that dropping another, dearer in all, needed."""
+    fits without, costliest first, then with each unit left moved to its cheapest option the estimate still fits
+    (cheapest with the other units' choices as they are: a busy host link makes an offload that is cheap alone
+    dear), the units whose move saves the most, each judged alone, first; checked by the simulator (NOTE [Option
+    family cost]). Whole units go first: a unit moved to a cheaper option can spend the slack that dropping
+    another, dearer in all, needed; and the larger savings go first: a unit that saves little can spend the slack
+    one that saves much needed (costliest first, a dear unit moved to a slightly cheaper option can take the bytes
+    another unit's much cheaper keep-set needed). ``simulate(choice) -> (curve, added seconds)`` runs the simulator (a
+    caller that simulates the same choices again remembers it)."""
     # the curve stays within the budget after every step, so a step checks only the span it changes
     curve = np.array(live[: problem.n_t], dtype=np.int64)
     drops: list[tuple[int, int | None]] = []
     _, unit_terms = _arrays(problem, choice)
-    n = problem.n_t
     order = sorted(choice, key=lambda u: (-problem.cost[choice[u]], u))
     for ui in order:
         lo, eff = problem.span(choice[ui])
@@ -197,41 +238,27 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tup
         else:
             curve[lo: lo + eff.size] += eff
     gone = {ui for ui, _ in drops}
-    for ui in [u for u in order if u not in gone]:
+    left = [u for u in order if u not in gone]
+    alone = {}
+    for ui in left:  # each move judged alone, on the curve after the drops
+        lo, eff = problem.span(choice[ui])
+        curve[lo: lo + eff.size] -= eff
+        alone[ui] = _cheaper(problem, budget, ui, choice[ui], curve, unit_terms)
+        curve[lo: lo + eff.size] += eff
+    moved = False  # until a unit moves, each one's move judged alone stands
+    for ui in sorted(left, key=lambda u: (-alone[u][1], order.index(u))):
         cur = choice[ui]
         lo, eff = problem.span(cur)
         curve[lo: lo + eff.size] -= eff
-        # over the budget only in the span: an option must take bytes off at its highest op
-        top = lo + int(np.argmax(curve[lo: lo + eff.size])) if eff.size else 0
-        over = int(curve[top]) - budget if eff.size else 0
-        taken: tuple[int | None, int, np.ndarray] = (cur, lo, eff)
-        if over <= 0:  # no option at all (the others moved since the first pass)
-            drops.append((ui, None))
-            taken = (None, 0, eff[:0])
-        else:
-            mine = problem.unit_options(ui)
-            able = mine[problem.values_at(top)[mine] <= -over]
-            cheaper: list[int] = []
-            if able.size:  # the options that take the bytes off and cost less, cheapest first (then by index)
-                added = _added(problem, unit_terms, able)
-                less = added < 0
-                if less.any():
-                    cheaper = able[less][np.lexsort((able[less], added[less]))].tolist()
-            # the curve's largest value up to each op and from each op on, to check an option outside its effect
-            upto = np.maximum.accumulate(curve) if cheaper else None
-            after = np.maximum.accumulate(curve[::-1])[::-1] if cheaper else None
-            for o in cheaper:
-                olo, oeff = problem.span(o)
-                hi = olo + oeff.size
-                if (olo and upto[olo - 1] > budget) or (hi < n and after[hi] > budget):
-                    continue
-                if int((curve[olo:hi] + oeff).max()) > budget:
-                    continue
-                drops.append((ui, o))
-                taken = (o, olo, oeff)
-                break
-        o, tlo, teff = taken
-        curve[tlo: tlo + teff.size] += teff
+        o = cur
+        if alone[ui][1] > 0:
+            o = _cheaper(problem, budget, ui, cur, curve, unit_terms)[0] if moved else alone[ui][0]
+        if o != cur:
+            drops.append((ui, o))
+            moved = True
+        if o is not None:
+            olo, oeff = problem.span(o)
+            curve[olo: olo + oeff.size] += oeff
         unit_terms[ui] = 0.0 if o is None else problem.terms[o]
     if not drops:
         return choice, live
@@ -244,7 +271,7 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tup
                 trial.pop(ui, None)
             else:
                 trial[ui] = o
-        curve, _ = problem.sim.live(problem.state(trial))
+        curve = simulate(trial)[0] if simulate else problem.sim.live(problem.state(trial))[0]
         if curve.max() <= budget:
             fitting[k] = (trial, curve)
         return k in fitting
@@ -254,13 +281,16 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray) -> tup
 
 def _lone(problem: Problem) -> list[int]:
     """The options that are best alone: no other option, taken alone, has both a lower peak and a lower cost."""
-    top = int(problem.eager.max())
+    eager = problem.eager
+    top = int(eager.max())
+    # the largest value before each op, and from each op on
+    before = np.concatenate(([0], np.maximum.accumulate(eager)))
+    after = np.concatenate((np.maximum.accumulate(eager[::-1])[::-1], [0]))
     peaks = []
     for o in range(len(problem.options)):
         lo, eff = problem.span(o)
-        inside = int((problem.eager[lo: lo + eff.size] + eff).max()) if eff.size else top
-        outside = max(int(problem.eager[:lo].max(initial=0)), int(problem.eager[lo + eff.size:].max(initial=0)))
-        peaks.append(max(inside, outside))
+        inside = int((eager[lo: lo + eff.size] + eff).max()) if eff.size else top
+        peaks.append(max(inside, int(before[lo]), int(after[lo + eff.size])))
     alone = [(problem.cost[o], peak, o) for o, peak in enumerate(peaks) if peak < top]
     return [o for _, _, o in _choosable(alone)]
 
@@ -314,11 +344,19 @@ class Family:
         # (simulated added seconds, simulated peak, choice, simulated curve): the gap fills trim members again
         found: dict[tuple, tuple[float, int, Choice, np.ndarray]] = {}
 
+        simulated: dict[tuple, tuple[np.ndarray, float]] = {}  # trims simulate the choices add() keeps
+
+        def simulate(choice: Choice) -> tuple[np.ndarray, float]:
+            key = tuple(sorted(choice.items()))
+            if key not in simulated:
+                simulated[key] = sim.live(pr.state(choice))
+            return simulated[key]
+
         def add(choice: Choice) -> bool:
             key = tuple(sorted(choice.items()))
             if key in found:
                 return False
-            live, added = sim.live(pr.state(choice))
+            live, added = simulate(choice)
             # the rungs' growth goes on in choice: the member is a copy
             found[key] = (added, int(live.max()), dict(choice), live)
             return True
@@ -335,7 +373,7 @@ class Family:
             live, _ = sim.live(pr.state(choice))
             peak = int(live.max())
             lowest = min(lowest, peak)
-            add(trim(pr, peak, choice, live)[0])
+            add(trim(pr, peak, choice, live, simulate)[0])
         for o in _lone(pr):
             add({int(pr.unit_of[o]): o})
         lowest = min([lowest] + [m[1] for m in found.values()])
@@ -348,7 +386,7 @@ class Family:
             live, curve = _grow_verified(pr, rung, choice, curve)
             if live is None:
                 break
-            add(trim(pr, rung, choice, live)[0])
+            add(trim(pr, rung, choice, live, simulate)[0])
         # the gaps between members the rule can choose: the upper one grown to fit one byte under its own peak, and
         # the lower one trimmed there
         done: set[tuple[int, int]] = set()
@@ -359,11 +397,12 @@ class Family:
                 if (low_peak, peak) in done:
                     continue
                 done.add((low_peak, peak))
-                trial = dict(choice)
-                live, _ = _grow_verified(pr, peak - 1, trial, Curve(pr, pr.estimate(trial)))
-                if live is not None:
-                    new |= add(trim(pr, peak - 1, trial, live)[0])
-                new |= add(trim(pr, peak - 1, low, low_live)[0])
+                for at in (peak - 1,):
+                    trial = dict(choice)
+                    live, _ = _grow_verified(pr, at, trial, Curve(pr, pr.estimate(trial)))
+                    if live is not None:
+                        new |= add(trim(pr, at, trial, live, simulate)[0])
+                    new |= add(trim(pr, at, low, low_live, simulate)[0])
             if not new:
                 break
         members = [(added, peak, pr.state(choice)) for added, peak, choice, _ in found.values()]
