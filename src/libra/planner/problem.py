@@ -246,6 +246,18 @@ class Problem:
             self._at[t] = got
         return got
 
+    def unit_values_at(self, ui: int, t: int) -> np.ndarray:
+        """The effects of unit ``ui``'s options (``unit_options(ui)``, whose points lie together) on the live
+        bytes after op ``t``: ``values_at(t)[unit_options(ui)]`` from the unit's points alone."""
+        got = self._at.get(t)
+        mine = self.unit_options(ui)
+        if got is not None or not mine.size:
+            return (got if got is not None else self.values_at(t))[mine]
+        a, b = int(self.ptr[mine[0]]), int(self.ptr[mine[-1] + 1])
+        mask = self.pos[a:b] <= t
+        return np.bincount(self._owner[a:b][mask] - mine[0], weights=self.val[a:b][mask],
+                           minlength=mine.size).astype(np.int64)
+
     def dense(self) -> np.ndarray:
         """Every option's effect at every op, ``(n_t, options)`` (for the exact solver)."""
         out = np.zeros((self.n_t + 1, len(self.options)), dtype=np.int64)

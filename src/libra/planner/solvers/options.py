@@ -97,11 +97,13 @@ def _switch(problem: Problem, curve: Curve, choice: Choice, ui: int, o: int | No
         choice[ui] = o
 
 
-def _added(problem: Problem, unit_terms: np.ndarray, which=None) -> np.ndarray:
+def _added(problem: Problem, unit_terms: np.ndarray, which=None, totals: np.ndarray | None = None) -> np.ndarray:
     """What switching to each option (or to each of ``which``) adds to the plan's simulated seconds, from the
-    units' current ``(base, exposed, lane)`` terms (``Problem.terms``): they add up over units but the busy link is
-    one for all, so an offload that is free alone can cost once the link is full."""
-    totals = unit_terms.sum(axis=0)
+    units' current ``(base, exposed, lane)`` terms (``Problem.terms``; ``totals``, their sum, where the caller keeps
+    it): they add up over units but the busy link is one for all, so an offload that is free alone can cost once
+    the link is full."""
+    if totals is None:
+        totals = unit_terms.sum(axis=0)
     which = slice(None) if which is None else which
     after = totals + problem.terms[which] - unit_terms[problem.unit_of[which]]
     return problem.sim.added_seconds(after.T) - problem.sim.added_seconds(totals)
@@ -177,37 +179,39 @@ def path(problem: Problem, by_bytes: bool = False) -> list[Choice]:
     return [dict(choice) for _ in _growth(problem, choice, Curve(problem, problem.eager), by_bytes=by_bytes)]
 
 
-def _cheaper(problem: Problem, budget: int, ui: int, o: int, curve: np.ndarray,
-             unit_terms: np.ndarray) -> tuple[int | None, float]:
-    """Unit ``ui``'s cheapest option (None: not checkpointed) that keeps ``curve`` (without ``ui``'s option ``o``)
-    within ``budget`` and costs less than ``o`` with the other units as they are, and the seconds it saves; ``(o,
-    0.0)`` where none does."""
+def _cheaper(problem: Problem, budget: int, ui: int, o: int, curve: np.ndarray, unit_terms: np.ndarray,
+             totals: np.ndarray) -> tuple[int | None, float]:
+    """Unit ``ui``'s cheapest option (None: not checkpointed) that keeps ``curve`` (without ``ui``'s option ``o``,
+    within ``budget`` outside ``o``'s span) within ``budget`` and costs less than ``o`` with the other units as they
+    are (their terms ``unit_terms``, summed in ``totals``), and the seconds it saves; ``(o, 0.0)`` where none
+    does."""
     lo, eff = problem.span(o)
     if not eff.size:
         return None, 0.0
     # over the budget only in the span: an option must take bytes off at its highest op
-    top = lo + int(np.argmax(curve[lo: lo + eff.size]))
-    over = int(curve[top]) - budget
+    seg = curve[lo: lo + eff.size]
+    top = int(np.argmax(seg))
+    over = int(seg[top]) - budget
     if over <= 0:
-        totals = unit_terms.sum(axis=0)
         return None, float(problem.sim.added_seconds(totals) - problem.sim.added_seconds(totals - unit_terms[ui]))
     mine = problem.unit_options(ui)
-    able = mine[problem.values_at(top)[mine] <= -over]
+    able = mine[problem.unit_values_at(ui, lo + top) <= -over]
     if not able.size:
         return o, 0.0
-    added = _added(problem, unit_terms, able)  # against the plan with ``o``
+    added = _added(problem, unit_terms, able, totals)  # against the plan with ``o``
     less = added < 0
     if not less.any():
         return o, 0.0
-    upto = np.maximum.accumulate(curve)  # the largest value up to each op and from each op on
-    after = np.maximum.accumulate(curve[::-1])[::-1]
+    # the span's largest value up to each of its ops and from each on: an option must fit where it changes nothing
+    upto = np.maximum.accumulate(seg)
+    after = np.maximum.accumulate(seg[::-1])[::-1]
     for k in np.lexsort((able[less], added[less])):  # cheapest first, then by index
         c = int(able[less][k])
         clo, ceff = problem.span(c)
-        hi = clo + ceff.size
-        if (clo and upto[clo - 1] > budget) or (hi < problem.n_t and after[hi] > budget):
+        a, b = clo - lo, clo + ceff.size - lo
+        if (a > 0 and upto[min(a, seg.size) - 1] > budget) or (b < seg.size and after[max(b, 0)] > budget):
             continue
-        if int((curve[clo:hi] + ceff).max()) > budget:
+        if ceff.size and int((curve[clo: clo + ceff.size] + ceff).max()) > budget:
             continue
         return c, -float(added[less][k])
     return o, 0.0
@@ -228,12 +232,15 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray,
     curve = np.array(live[: problem.n_t], dtype=np.int64)
     drops: list[tuple[int, int | None]] = []
     _, unit_terms = _arrays(problem, choice)
+    totals = unit_terms.sum(axis=0)
     order = sorted(choice, key=lambda u: (-problem.cost[choice[u]], u))
+    rank = {u: i for i, u in enumerate(order)}
     for ui in order:
         lo, eff = problem.span(choice[ui])
         curve[lo: lo + eff.size] -= eff
         if not eff.size or curve[lo: lo + eff.size].max() <= budget:
             drops.append((ui, None))
+            totals -= unit_terms[ui]
             unit_terms[ui] = 0.0
         else:
             curve[lo: lo + eff.size] += eff
@@ -243,23 +250,25 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray,
     for ui in left:  # each move judged alone, on the curve after the drops
         lo, eff = problem.span(choice[ui])
         curve[lo: lo + eff.size] -= eff
-        alone[ui] = _cheaper(problem, budget, ui, choice[ui], curve, unit_terms)
+        alone[ui] = _cheaper(problem, budget, ui, choice[ui], curve, unit_terms, totals)
         curve[lo: lo + eff.size] += eff
     moved = False  # until a unit moves, each one's move judged alone stands
-    for ui in sorted(left, key=lambda u: (-alone[u][1], order.index(u))):
+    for ui in sorted(left, key=lambda u: (-alone[u][1], rank[u])):
         cur = choice[ui]
         lo, eff = problem.span(cur)
         curve[lo: lo + eff.size] -= eff
         o = cur
         if alone[ui][1] > 0:
-            o = _cheaper(problem, budget, ui, cur, curve, unit_terms)[0] if moved else alone[ui][0]
+            o = _cheaper(problem, budget, ui, cur, curve, unit_terms, totals)[0] if moved else alone[ui][0]
         if o != cur:
             drops.append((ui, o))
             moved = True
         if o is not None:
             olo, oeff = problem.span(o)
             curve[olo: olo + oeff.size] += oeff
+        totals -= unit_terms[ui]
         unit_terms[ui] = 0.0 if o is None else problem.terms[o]
+        totals += unit_terms[ui]
     if not drops:
         return choice, live
     fitting: dict[int, tuple[Choice, np.ndarray]] = {0: (choice, live)}
