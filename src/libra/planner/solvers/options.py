@@ -27,7 +27,9 @@ depend on ``b`` whose simulated peak fits ``b``. The family:
   path's plans. One growth goes down the rungs, each going on from the last one's untrimmed plan;
 - each option alone where no other option alone has both a lower peak and a lower cost: the growth rule ranks bytes
   freed per second, so a unit that frees enough alone at a lower rate is never on the path, which takes two units
-  of better rates instead;
+  of better rates instead; and likewise each pair of such options of two units (of at most ``PAIRED`` of them):
+  where one unit's cheap option and another's just fit together, growth takes a third unit, or one unit's dearer
+  option, at a better rate;
 - the gaps: a budget between two members the rule can choose (by peak, each cheaper than every one below it) gets
   the lower one, however close the upper one's peak. So for each such pair the upper one is grown to fit one byte
   under its own peak and trimmed there, and the lower one is trimmed there too (it may spend the gap's bytes);
@@ -64,6 +66,7 @@ __all__ = ["Family", "grow", "path", "trim", "RUNGS", "PATH_PLANS"]
 RUNGS = 16
 PATH_PLANS = 24  # a longer growth path has its first plans and this many more, evenly spaced, in the family
 FILL_ROUNDS = 4  # passes over the gaps between members (NOTE [Option family])
+PAIRED = 64  # the best single options paired with each other (NOTE [Option family])
 _VERIFY_ROUNDS = 16
 
 
@@ -288,20 +291,34 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray,
     return fitting[longest_prefix(len(drops), fits)]
 
 
-def _lone(problem: Problem) -> list[int]:
-    """The options that are best alone: no other option, taken alone, has both a lower peak and a lower cost."""
+def _few(problem: Problem) -> list[Choice]:
+    """The plans of one unit and of two units that are best among their kind by estimate: no other option alone
+    (pair of options of two units) has both a lower estimated peak and a lower cost. Pairs are of the best
+    single options (at most ``PAIRED`` of them, evenly spread over their peaks): growth takes the unit that frees
+    the most at the peak per second, where the best pair may be two others that just fit together."""
     eager = problem.eager
     top = int(eager.max())
     # the largest value before each op, and from each op on
     before = np.concatenate(([0], np.maximum.accumulate(eager)))
     after = np.concatenate((np.maximum.accumulate(eager[::-1])[::-1], [0]))
-    peaks = []
-    for o in range(len(problem.options)):
-        lo, eff = problem.span(o)
-        inside = int((eager[lo: lo + eff.size] + eff).max()) if eff.size else top
-        peaks.append(max(inside, int(before[lo]), int(after[lo + eff.size])))
-    alone = [(problem.cost[o], peak, o) for o, peak in enumerate(peaks) if peak < top]
-    return [o for _, _, o in _choosable(alone)]
+
+    def peak(opts) -> int:
+        spans = [problem.span(o) for o in opts]
+        lo = min(s[0] for s in spans)
+        hi = max(s[0] + s[1].size for s in spans)
+        seg = eager[lo:hi].copy()
+        for slo, eff in spans:
+            seg[slo - lo: slo - lo + eff.size] += eff
+        return max(int(seg.max()) if seg.size else top, int(before[lo]), int(after[hi]))
+
+    alone = [(problem.cost[o], p, o) for o in range(len(problem.options)) if (p := peak([o])) < top]
+    best = [o for _, _, o in _choosable(alone)]
+    if len(best) > PAIRED:
+        best = [best[i * len(best) // PAIRED] for i in range(PAIRED)]
+    pairs = [(problem.cost[a] + problem.cost[b], peak([a, b]), (a, b))
+             for i, a in enumerate(best) for b in best[i + 1:] if problem.unit_of[a] != problem.unit_of[b]]
+    return ([{int(problem.unit_of[o]): o} for _, _, o in _choosable(alone)]
+            + [{int(problem.unit_of[o]): o for o in ab} for _, _, ab in _choosable(pairs)])
 
 
 def _grow_verified(problem: Problem, budget: int, choice: Choice,
@@ -383,8 +400,8 @@ class Family:
             peak = int(live.max())
             lowest = min(lowest, peak)
             add(trim(pr, peak, choice, live, simulate)[0])
-        for o in _lone(pr):
-            add({int(pr.unit_of[o]): o})
+        for choice in _few(pr):
+            add(choice)
         lowest = min([lowest] + [m[1] for m in found.values()])
         top = int(pr.eager.max())
         # one growth down the rungs, from the highest: each rung's plan goes on from the last one's, untrimmed
