@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-milp", action="store_true")
     ap.add_argument("--out", default=f"bench/results/option-family-{datetime.date.today().isoformat()}.json")
     args = ap.parse_args(argv)
-    profiles = {Path(p).stem: libra.Profile.load(p) for p in args.profiles}
+    profiles = {Path(p).name.split(".")[0]: libra.Profile.load(p) for p in args.profiles}
     if not args.profiles:
         profiles = {m: _profile_model(m) for m in args.models.split(",") if m}
     out = {"machine": machine_info(), "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": []}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gzip
 import json
 import logging
 
@@ -161,6 +162,13 @@ def test_profiles_of_the_old_schema_are_refused(tmp_path):
     assert any(s["held_op"] >= 0 for s in data["storages"])
     assert all(p["released_op"] >= max(p["last_unpack"], p["pack_op"]) for p in data["packs"])
     assert libra.Profile.load(path) == prof
+    packed = tmp_path / "p.json.gz"
+    prof.save(packed)
+    assert gzip.decompress(packed.read_bytes()) == path.read_bytes()  # the same JSON, compressed
+    assert libra.Profile.load(packed) == prof
+    packed.write_bytes(packed.read_bytes()[:40])  # cut short
+    with pytest.raises(PlanFormatError, match="cannot read"):
+        libra.Profile.load(packed)
     data["schema_version"] = 3
     for s in data["storages"]:
         del s["held_op"]

@@ -2,6 +2,7 @@
 eager's own timeline."""
 
 import copy
+from pathlib import Path
 
 import pytest
 
@@ -151,3 +152,42 @@ def test_no_single_option_alone_is_cheaper_than_the_plan(case, bandwidth):
                 if r.peak_bytes <= target and r.added_seconds < added * (1 - 1e-9) - 1e-12:
                     cheaper.append((share, sel.granularity, o, r.added_seconds, added))
         assert not cheaper, cheaper[:5]
+
+
+_BENCH_PROFILES = Path(__file__).resolve().parents[2] / "bench" / "results" / "profiles"
+# (model, bandwidth, share) -> the most the default's added time may exceed the exact program's, where it misses 1%
+_BENCH_MISSES = {
+    # six units with two heavy keep-sets where every family member has eight (NOTE [Option family]: growth and trim
+    # move one unit at a time)
+    ("mixer", None, 0.75): 0.03,
+}
+
+
+@pytest.mark.parametrize("model, bandwidth", [(m, None) for m in ("gpt", "resnet", "unet", "mixer")]
+                         + [(m, 2e9) for m in ("unet", "mixer")])  # (with offload the exact program takes 10-20 s on the others)
+def test_default_solver_on_the_bench_profiles(model, bandwidth):
+    """The default against the exact option program on the bench models' saved profiles (their measured op times,
+    fixed in the file, so the comparison does not move with the machine): within 1% of the added time at 90/75/50%
+    and at the minimum, but for the recorded misses, each held to its own bound."""
+    prof = libra.Profile.load(_BENCH_PROFILES / f"{model}.json.gz")
+    planning = Planning(prof, bandwidth)
+    worse = {}
+    for share in (0.9, 0.75, 0.5, "min"):
+        budget = planning.min_budget_bytes() if share == "min" else max(prof.budget_for_share(share),
+                                                                        planning.min_budget_bytes())
+        target = planning.target_bytes(budget)
+        found = planning.solve(budget)
+        assert found is not None
+        got = found[0].sim.run(found[1])
+        assert got.peak_bytes <= target
+        exact = None
+        for sel in planning.selections:
+            choice = milp.solve(sel.problem, target)
+            if choice is not None:
+                r = sel.sim.run(sel.problem.state(choice))
+                assert r.peak_bytes <= target
+                exact = r.added_seconds if exact is None else min(exact, r.added_seconds)
+        if exact is not None and got.added_seconds > 1.01 * exact + 1e-12:
+            worse[share] = got.added_seconds / exact - 1
+    for share, over in worse.items():
+        assert over <= _BENCH_MISSES.get((model, bandwidth, share), 0.0), (share, over)
