@@ -292,8 +292,8 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray,
 
 
 def _few(problem: Problem) -> list[Choice]:
-    """The plans of one unit and of two units that are best among their kind by estimate: no other option alone
-    (pair of options of two units) has both a lower estimated peak and a lower cost. Pairs are of the best
+    """The plans of one unit and of two units that are best by estimate: no other option alone or pair of options
+    of two units has both a lower estimated peak and a lower cost. Pairs are of the best
     single options (at most ``PAIRED`` of them, evenly spread over their peaks): growth takes the unit that frees
     the most at the peak per second, where the best pair may be two others that just fit together."""
     eager = problem.eager
@@ -317,8 +317,9 @@ def _few(problem: Problem) -> list[Choice]:
         best = [best[i * len(best) // PAIRED] for i in range(PAIRED)]
     pairs = [(problem.cost[a] + problem.cost[b], peak([a, b]), (a, b))
              for i, a in enumerate(best) for b in best[i + 1:] if problem.unit_of[a] != problem.unit_of[b]]
-    return ([{int(problem.unit_of[o]): o} for _, _, o in _choosable(alone)]
-            + [{int(problem.unit_of[o]): o for o in ab} for _, _, ab in _choosable(pairs)])
+    # a pair that one option alone beats on both counts is no plan a budget would choose
+    front = _choosable([(c, p, (o,)) for c, p, o in alone] + pairs)
+    return [{int(problem.unit_of[o]): o for o in opts} for _, _, opts in front]
 
 
 def _grow_verified(problem: Problem, budget: int, choice: Choice,
