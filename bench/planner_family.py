@@ -8,7 +8,7 @@ times as measured and with steady times (each op 10 us plus 10 us per MiB it wri
 plan's cost does not depend on machine load), without offload and with a 2 GB/s host link: the predicted step time,
 as a ratio to eager's, at 90/75/50/30% of eager's activation memory and at the named minimum, of
 
-- ``front``: the move-level front alone (``greedy.solve``, NOTE [Monotone in the budget] in solvers/front.py),
+- ``front``: the move-level front alone (``Greedy.solve``, NOTE [Monotone in the budget] in solvers/front.py),
 - ``family``: the option family alone (NOTE [Option family] in solvers/options.py),
 - ``default``: what ``libra.plan`` picks (the cheaper of both, or the lowest-peak plan),
 - ``milp``: the exact option program (NOTE [Exact up to interactions] in solvers/milp.py),
@@ -29,7 +29,7 @@ from pathlib import Path
 import libra
 from bench.machine import machine_info
 from libra.planner import Planning
-from libra.planner.solvers import greedy, milp
+from libra.planner.solvers import milp
 
 MODELS = ("gpt", "resnet", "unet", "mixer")
 SHARES = (0.9, 0.75, 0.5, 0.3, "min")
@@ -77,7 +77,7 @@ def compare(profile: libra.Profile, bandwidth: float | None, exact: bool) -> dic
     for share, budget in budgets.items():
         target = planning.target_bytes(budget)
         got = {
-            "front": _best(planning, target, lambda sel: greedy.solve(sel.sim, target, sel.effects)),
+            "front": _best(planning, target, lambda sel: sel.greedy.solve(target)),
             "family": _best(planning, target, lambda sel: sel.family.solve(target) if sel.family else None),
             "default": _best(planning, target, lambda sel: planning._solve_in(sel, budget, target, "greedy", 60.0)),
         }

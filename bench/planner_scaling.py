@@ -44,7 +44,7 @@ def scaling_row(n_blocks: int) -> dict:
     base = Planning(prof)
     budget = max(prof.budget_for_share(SHARE), base.min_budget_bytes())
     target = base.target_bytes(budget)
-    raw = greedy.solve_at(base.sim, target, base.effects, base.kinds)
+    raw = greedy.Greedy(base.sim, base.effects).solve_at(target)
     raw_seconds = time.perf_counter() - t0
     raw_result = base.sim.run(raw)
     t0 = time.perf_counter()
@@ -52,7 +52,7 @@ def scaling_row(n_blocks: int) -> dict:
     analysis = time.perf_counter() - t0
     plan = libra.plan(planning, budget)
     seconds = time.perf_counter() - t0
-    checked = planning.sim.run(greedy.solve(planning.sim, target, planning.effects, planning.kinds))
+    checked = planning.sim.run(greedy.Greedy(planning.sim, planning.effects).solve(target))
     if not (plan.predicted_peak_bytes <= budget and checked.peak_bytes <= target and raw_result.peak_bytes <= target):
         raise SystemExit(f"bench/planner_scaling.py: a plan over its budget at {n_blocks} blocks")
     return {
@@ -95,20 +95,21 @@ def monotonicity() -> dict:
     """Budget steps on small chains where a larger budget gave a slower plan: the planner, and the baseline."""
     cases = [(nb, ob, seed) for nb, ob in [(2, 6), (3, 4), (4, 3), (5, 5), (6, 2), (8, 4)] for seed in range(4)]
     out = {}
-    for name, solve in (("plan", None), ("baseline_solve_at", greedy.solve_at)):
+    for name, exact in (("plan", False), ("baseline_solve_at", True)):
         steps = violations = 0
         worst = 1.0
         for nb, ob, seed in cases:
             prof = chain_profile(nb, ob, seed=seed)
             planning = Planning(prof)
+            solver = greedy.Greedy(planning.sim, planning.effects)
             lo, hi = planning.min_budget_bytes(), prof.eager_peak_bytes
             prev = None
             for k in range(31):
                 budget = lo + (hi - lo) * k // 30
-                if solve is None:
+                if not exact:
                     seconds = libra.plan(planning, budget).predicted_step_seconds
                 else:
-                    state = solve(planning.sim, planning.target_bytes(budget), planning.effects)
+                    state = solver.solve_at(planning.target_bytes(budget))
                     if state is None:  # below every candidate evicted: only the planner's searched minimum fits
                         continue
                     seconds = prof.eager_step_seconds + planning.sim.run(state).added_seconds
@@ -129,13 +130,13 @@ def quality() -> list[dict]:
         for bandwidth in (None, 2e9):
             prof = chain_profile(nb, ob, seed=seed)
             planning = Planning(prof, host_bandwidth=bandwidth)
-            sim, fx = planning.sim, planning.effects
+            sim, solver = planning.sim, greedy.Greedy(planning.sim, planning.effects)
             lo, hi = planning.full.peak_bytes, planning.eager.peak_bytes
             ratios = []
             for k in range(41):
                 target = lo + (hi - lo) * k // 41
-                mono = sim.run(greedy.solve(sim, target, fx, planning.kinds)).added_seconds
-                raw = sim.run(greedy.solve_at(sim, target, fx, planning.kinds)).added_seconds
+                mono = sim.run(solver.solve(target)).added_seconds
+                raw = sim.run(solver.solve_at(target)).added_seconds
                 if raw > 0:
                     ratios.append(mono / raw)
             r = np.array(ratios)

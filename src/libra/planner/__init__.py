@@ -81,6 +81,7 @@ class Selection:
         self.units, self.rejected = analyse(profile, granularity)
         self.sim = Simulator(profile, self.units, host_bandwidth, reserve)
         self._effects: greedy.Effects | None = None
+        self._greedy: greedy.Greedy | None = None
         self._problem: Problem | None = None
         self._family: options.Family | None = None
         self._full_state: State | None = None
@@ -163,6 +164,13 @@ class Selection:
         if self._effects is None:
             self._effects = greedy.Effects(self.sim, self.kinds)
         return self._effects
+
+    @property
+    def greedy(self) -> greedy.Greedy:
+        """The move-level greedy over :attr:`effects` (NOTE [Monotone in the budget] in ``solvers/front.py``)."""
+        if self._greedy is None:
+            self._greedy = greedy.Greedy(self.sim, self.effects)
+        return self._greedy
 
     @property
     def family(self) -> options.Family | None:
@@ -333,7 +341,7 @@ class Planning:
         # (NOTE [Monotone in the budget]): the front's, the option family's (NOTE [Option family]), and the lowest
         # state (the solvers search from every candidate evicted: below that peak only it fits)
         low_state, low = sel.minimum
-        found = [greedy.solve(sel.sim, target, sel.effects),
+        found = [sel.greedy.solve(target),
                  sel.family.solve(target) if sel.family is not None else None,
                  low_state if low.peak_bytes <= target else None]
         costs = [(sel.sim.run(s).added_seconds, i) for i, s in enumerate(found) if s is not None]

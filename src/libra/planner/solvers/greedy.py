@@ -5,7 +5,7 @@ Each decision's effect on the live-bytes curve is measured once by the simulator
 at the current peak (kept by a :class:`~libra.planner.solvers.effects.PeakTree`); when the sum fits, the full
 simulator checks the plan (it sees the interactions between regions the sum ignores) and the greedy goes on from
 the simulated curve if needed. It then undoes, most expensive first, every move the fitting plan does not need,
-and tries doing without each of its costliest units. :func:`solve` makes the result monotone in the budget
+and tries doing without each of its costliest units. :meth:`Greedy.solve` makes the result monotone in the budget
 (NOTE [Monotone in the budget]).
 
 NOTE [Planner cost]: with m moves and n ops, the effects cost O(sum of unit sizes x candidates per unit) to measure;
@@ -24,7 +24,7 @@ from libra.planner.simulate import SimResult, Simulator, State
 from libra.planner.solvers.effects import OFFLOAD, RECOMPUTE, Effects, PeakTree, longest_prefix
 from libra.planner.solvers.front import Front, default_ladder
 
-__all__ = ["Effects", "full_state", "state_for", "solve", "solve_at", "RECOMPUTE", "OFFLOAD"]
+__all__ = ["Effects", "Greedy", "full_state", "state_for", "RECOMPUTE", "OFFLOAD"]
 
 _POLISH_UNITS = 12
 _VERIFY_ROUNDS = 32
@@ -458,56 +458,67 @@ class _Search:
         return chosen
 
 
-def _full(sim: Simulator, fx: Effects) -> tuple[State, SimResult]:
-    """The full state of ``fx``'s mechanisms and its result, shared by every solve on ``fx``."""
-    if "_full" not in fx.__dict__:
-        state = full_state(sim, fx.kinds)
-        fx.__dict__["_full"] = (state, sim.run(state))
-    return fx.__dict__["_full"]
+class Greedy:
+    """The greedy over one simulator's moves, and what every solve on them shares (the full state, the growth path,
+    the fronts of :func:`solve`), built when first needed.
 
-
-def solve_at(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RECOMPUTE,)) -> State | None:
-    """The greedy state for exactly ``budget`` (not monotone in it; see :func:`solve`), polished, or None when even
-    evicting every candidate does not fit."""
-    if sim.run({}).peak_bytes <= budget:
-        return {}
-    fx = Effects(sim, kinds) if effects is None else effects
-    state, result = _full(sim, fx)
-    if result.peak_bytes > budget:
-        return None
-    allowed, path = _path(fx)
-    search = _Search(sim, fx, budget, allowed)
-    chosen = search.polish(*search.run(state, path))
-    return state_for(sim, [fx.moves[c] for c in chosen])
-
-
-def _path(fx: Effects) -> tuple[np.ndarray, _Path]:
-    """The growth path of ``fx``'s moves, shared by every solve on ``fx``."""
-    if "_path" not in fx.__dict__:
-        allowed = np.array([kind in fx.kinds for _, _, kind in fx.moves], dtype=bool)
-        fx.__dict__["_path"] = (allowed, _Path(fx, allowed))
-    return fx.__dict__["_path"]
-
-
-def solve(sim: Simulator, budget: int, effects: Effects | None = None, kinds=(RECOMPUTE,),
-          ladder: list[int] | None = None) -> State | None:
-    """The greedy state for ``budget``, or None when even evicting every candidate does not fit.
-
-    Monotone: a larger budget never gives a state with more simulated added seconds (NOTE [Monotone in the budget]
-    in ``front.py``). ``ladder`` is the budgets solved exactly (default: sixteenths of the way from the lowest
-    reachable peak to eager's); it must not depend on the budget.
+    Args:
+        sim: the simulator.
+        effects: the moves' measured effects (default: measured here, for ``kinds``).
+        kinds: the mechanisms allowed, where ``effects`` is not given.
     """
-    if sim.run({}).peak_bytes <= budget:
-        return {}
-    fx = Effects(sim, kinds) if effects is None else effects
-    floor = _full(sim, fx)[1].peak_bytes
-    if floor > budget:
-        return None
-    if ladder is None:
-        ladder = default_ladder(sim, floor)
-    ladder = sorted({max(int(d), floor) for d in ladder} | {floor})
-    fronts = fx.__dict__.setdefault("_fronts", {})
-    key = tuple(ladder)
-    if key not in fronts:
-        fronts[key] = Front(sim, fx, lambda d: solve_at(sim, d, fx), ladder)
-    return fronts[key].solve(budget)
+
+    def __init__(self, sim: Simulator, effects: Effects | None = None, kinds=(RECOMPUTE,)) -> None:
+        self.sim = sim
+        self.fx = Effects(sim, kinds) if effects is None else effects
+        self._full: tuple[State, SimResult] | None = None
+        self._path: tuple[np.ndarray, _Path] | None = None
+        self._fronts: dict[tuple[int, ...], Front] = {}
+
+    @property
+    def full(self) -> tuple[State, SimResult]:
+        """The full state of the moves' mechanisms and its result."""
+        if self._full is None:
+            state = full_state(self.sim, self.fx.kinds)
+            self._full = (state, self.sim.run(state))
+        return self._full
+
+    @property
+    def path(self) -> tuple[np.ndarray, _Path]:
+        """(the moves of the allowed kinds, the growth path over them)."""
+        if self._path is None:
+            allowed = np.array([kind in self.fx.kinds for _, _, kind in self.fx.moves], dtype=bool)
+            self._path = (allowed, _Path(self.fx, allowed))
+        return self._path
+
+    def solve_at(self, budget: int) -> State | None:
+        """The greedy state for exactly ``budget`` (not monotone in it; see :meth:`solve`), polished, or None when
+        even evicting every candidate does not fit."""
+        if self.sim.run({}).peak_bytes <= budget:
+            return {}
+        state, result = self.full
+        if result.peak_bytes > budget:
+            return None
+        allowed, path = self.path
+        search = _Search(self.sim, self.fx, budget, allowed)
+        chosen = search.polish(*search.run(state, path))
+        return state_for(self.sim, [self.fx.moves[c] for c in chosen])
+
+    def solve(self, budget: int, ladder: list[int] | None = None) -> State | None:
+        """The greedy state for ``budget``, or None when even evicting every candidate does not fit.
+
+        Monotone: a larger budget never gives a state with more simulated added seconds (NOTE [Monotone in the
+        budget] in ``front.py``). ``ladder`` is the budgets solved exactly (default: :func:`default_ladder` from
+        the lowest reachable peak to eager's); it must not depend on the budget.
+        """
+        if self.sim.run({}).peak_bytes <= budget:
+            return {}
+        floor = self.full[1].peak_bytes
+        if floor > budget:
+            return None
+        if ladder is None:
+            ladder = default_ladder(self.sim, floor)
+        key = tuple(sorted({max(int(d), floor) for d in ladder} | {floor}))
+        if key not in self._fronts:
+            self._fronts[key] = Front(self.sim, self.fx, self.solve_at, list(key))
+        return self._fronts[key].solve(budget)
