@@ -42,12 +42,11 @@ SAFETY_MARGIN = 0.01
 # the named minimum and the predicted peak include them. The layer runs between its called siblings, so its input is
 # held from the first sibling's forward to the end of their ancestor's backward, its gradients live from the start of
 # that backward on, and its replay falls between its neighbours' backward, right before the one before it in the
-# forward begins. With the inputs alone, a Whisper with layer drop 0.3 ran 0.8 MiB over its minimum on the one step of
-# ten that ran every layer (the skipped layers' gradients); with a stack of pairs planned in parts and no replay
-# reserved, 1.0 MiB (the dropped pair's replay, whole); with all of it charged at every op of the step (until
-# 2026-12-07), the Whisper's minimum was 78% of its activations and its steps ran 10.5 MiB under. A layer whose twin
-# plain checkpoint cannot replay exactly (a random op handed its own generator), or a step under a plan that
-# checkpoints nothing (a budget above eager's peak with the reserve), runs as it is, which no reserve covers.
+# forward begins: each part is needed (without the gradients or the replay a step that runs every layer goes over
+# its minimum), and charging all of it at every op instead would name a minimum far above what such a step holds.
+# A layer whose twin plain checkpoint cannot replay exactly (a random op handed its own generator), or a step under
+# a plan that checkpoints nothing (a budget above eager's peak with the reserve), runs as it is, which no reserve
+# covers.
 
 FAMILY_MAX_UNITS = 128  # selections with more units plan with the front alone (NOTE [Option family])
 
@@ -271,8 +270,7 @@ class Planning:
     def _lowest_of(self, sel: Selection) -> tuple[State, SimResult]:
         """The lowest-peak plan of ``sel`` among every plan :meth:`solve` can return from it: ``Selection.minimum``
         or, where one ends lower, the option family's lowest member (the family plans a budget with its cheapest
-        member that fits, so a member below ``minimum`` would plan under the named minimum: on the test suite's
-        MLP with measured op times, 527 KB under it)."""
+        member that fits, so a member below ``minimum`` would plan under the named minimum)."""
         if "keep" not in self.decisions or not self.kinds:
             return sel.full_state, sel.full
         state, got = sel.minimum

@@ -635,8 +635,8 @@ class Simulator:
         The curve has no point there; the point after op ``t_r`` stands for both moments: it has everything live at
         the replay except what op ``t_r`` allocates, plus the replayed saved storages, which live on as copies from
         ``t_r``. So the replay adds its peak less those copies and less op ``t_r``'s own allocations, when that is
-        positive (charging it on top of op ``t_r``'s outputs over-counted a U-Net's minimum by one 8 MiB gradient;
-        on top of the point after ``t_r - 1``, by what that op freed). The replay runs the module's own Python, so
+        positive (charged on top of op ``t_r``'s outputs it would count them twice; on top of the point after
+        ``t_r - 1``, what that op freed). The replay runs the module's own Python, so
         what held a storage in the forward holds it again: an unsaved storage lives to its eager end, within the
         replay. Remembered per call and kept set (options that differ only in where kept outputs live share it).
         """
@@ -711,8 +711,7 @@ class Simulator:
         """The terms of the added seconds that unit ``ui`` with ``cached`` kept contributes on its own, exactly as
         :meth:`_plan` sums them: ``(base, lane, exposed)`` as :class:`_ExactSum` totals, the same as
         :meth:`_unit_record`'s, without building the rest of a record the time model's trial states mostly never
-        use (taking them from records made GPT-2-small-like planning with offload 4-8% slower). Remembered per
-        (unit, cached)."""
+        use. Remembered per (unit, cached)."""
         got = self._unit_times.get((ui, cached))
         if got is None:
             got = self._unit_times[(ui, cached)] = self._unit_time_of(ui, cached)
@@ -745,9 +744,8 @@ class Simulator:
     def _clone_seconds(self, ui: int, ii: int, cached: set[int], seconds: "_ExactSum") -> None:
         """Adds the copying time of one region call's clones to ``seconds``: a kept output that the forward
         writes in place later is cloned by the cache before the write (copy-on-write), and once more by each
-        replay, which writes it again (NOTE [Region executor contract] in runtime/region.py). A ResNet stage that
-        keeps its outputs ahead of in-place ReLUs and ``+=`` clones 16 MiB tensors twice each: 39 ms measured on a
-        step of 366 ms where the per-op costs alone predicted 3 ms."""
+        replay, which writes it again (NOTE [Region executor contract] in runtime/region.py): a stage that keeps
+        its outputs ahead of in-place ReLUs and ``+=`` clones each of them twice, far more than its per-op costs."""
         inst = self.units[ui].instances[ii]
         nb = self._nbytes
         for k, s in enumerate(inst.sids):

@@ -20,8 +20,7 @@ depend on ``b`` whose simulated peak fits ``b``. The family:
 - the same for a second path that switches to the option freeing the most bytes at the peak (the cheaper of equal
   ones): ranked by rate, three small units come before one large one, and where two large ones fit, neither path
   of rates nor the trims (one unit at a time) reaches them (a ResNet's stem and two plain blocks where two other
-  plain blocks fit for 4% less added time; with offload, two hooked bottlenecks where recompute fit for 12% less).
-  The two paths share most plans, each simulated once;
+  plain blocks fit for less; with offload, two hooked bottlenecks where recompute fit). The two paths share most plans, each simulated once;
 - the growth to each of ``RUNGS`` budgets evenly spaced from the path's lowest simulated peak to eager's (with
   the simulator's corrections where units interact), trimmed at that budget: these reach budgets between the
   path's plans. One growth goes down the rungs, each going on from the last one's untrimmed plan;
@@ -46,8 +45,7 @@ The growth path cannot cycle: a unit only moves to an option that frees more byt
 current one, and each option is taken at most once on the path, so it has at most as many steps as options.
 
 NOTE [Option family cost]: a growth step costs O(options) to rank every option at the peak (each option's effect
-there is remembered per op, and the peaks fall on few ops) plus O(ops) to move the dense estimate; the second path
-made GPT-2-small-like planning about 5% slower (0.85 -> 0.90 s, the slowest of six budgets); the family runs
+there is remembered per op, and the peaks fall on few ops) plus O(ops) to move the dense estimate; the family runs
 the simulator once per member and O(log k) more times per trim of a k-unit plan, and the gap fills add at most
 ``FILL_ROUNDS`` growths per member the rule can choose. Members are built once per selection and shared by every
 budget.
