@@ -31,8 +31,11 @@ depend on ``b`` whose simulated peak fits ``b``. The family:
   option, at a better rate;
 - the gaps: a budget between two members the rule can choose (by peak, each cheaper than every one below it) gets
   the lower one, however close the upper one's peak. So for each such pair the upper one is grown to fit one byte
-  under its own peak and trimmed there, and the lower one is trimmed there too (it may spend the gap's bytes);
-  ``FILL_ROUNDS`` passes while they add members (more passes find more, each costing about as much as the last).
+  under its own peak and trimmed there, and the lower one is trimmed there too (it may spend the gap's bytes); in
+  the first pass the same again at the gap's middle (a plan that fits well inside a wide gap is often not one
+  byte under its top); ``FILL_ROUNDS`` passes while they add members (more passes find more, each costing about as
+  much as the last). Gaps narrower than ``GAP_MIN`` of the range from the lowest peak to eager's are left: few
+  budgets fall in them, and members a few kilobytes apart (a unit that frees little) make many.
 
 The planner takes the cheaper of this family's plan and the move-level front's (``front.py``), both chosen by the
 same rule, so the result stays monotone. Neither alone is enough (``bench/planner_family.py`` measures each): the
@@ -65,6 +68,7 @@ RUNGS = 16
 PATH_PLANS = 24  # a longer growth path has its first plans and this many more, evenly spaced, in the family
 FILL_ROUNDS = 4  # passes over the gaps between members (NOTE [Option family])
 PAIRED = 64  # the best single options paired with each other (NOTE [Option family])
+GAP_MIN = 0.005  # narrower gaps, as a share of eager's peak less the lowest, are not filled (NOTE [Option family])
 _VERIFY_ROUNDS = 16
 
 
@@ -415,14 +419,14 @@ class Family:
         # the gaps between members the rule can choose: the upper one grown to fit one byte under its own peak, and
         # the lower one trimmed there
         done: set[tuple[int, int]] = set()
-        for _ in range(FILL_ROUNDS):
+        for round_ in range(FILL_ROUNDS):
             new = False
             choosable = _choosable(list(found.values()))
             for (_, low_peak, low, low_live), (_, peak, choice, _) in zip(choosable, choosable[1:]):
-                if (low_peak, peak) in done:
+                if (low_peak, peak) in done or peak - low_peak < GAP_MIN * (top - lowest):
                     continue
                 done.add((low_peak, peak))
-                for at in (peak - 1,):
+                for at in (peak - 1, (low_peak + peak) // 2) if round_ == 0 else (peak - 1,):
                     trial = dict(choice)
                     live, _ = _grow_verified(pr, at, trial, Curve(pr, pr.estimate(trial)))
                     if live is not None:
