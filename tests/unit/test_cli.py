@@ -137,3 +137,11 @@ def test_every_subcommand_has_help(capsys):
             main([command, "--help"])
         assert info.value.code == 0
         assert "usage: libra " + command in capsys.readouterr().out
+
+
+def test_demo_trains_within_budget_and_reports_both_times(capsys):
+    # a small demo: the allocator meter's peak within the budget, eager's gradients, fastest and median step times
+    assert main(["demo", "--steps", "2", "--layers", "3", "--batch", "4", "--share", "0.8"]) == 0
+    out = capsys.readouterr().out
+    assert "under budget: yes (the allocator's peak)" in out and "gradients identical: yes" in out
+    assert "step time (fastest)" in out and "step time (median)" in out and "2 steps each, interleaved" in out
