@@ -121,12 +121,14 @@ def run_demo(steps: int = 5, share: float = 0.5, layers: int = 6, batch: int = 8
     print(f"{'measured peak':24}{format_bytes(peak_e):>14}{format_bytes(peak_o):>14}")
     print(f"{'  above static':24}{format_bytes(peak_e - start_e):>14}{format_bytes(peak_o - start_o):>14}")
     print(f"{'budget':24}{'':>14}{format_bytes(budget):>14}")
-    print(f"{'predicted peak':24}{format_bytes(prof.eager_peak_bytes):>14}{format_bytes(plan.predicted_peak_bytes):>14}")
+    print(f"{'predicted peak':24}{format_bytes(prof.eager_peak_bytes):>14}"
+          f"{format_bytes(plan.predicted_peak_bytes):>14}")
     fe, fo = min(seconds_e), min(seconds_o)
     me, mo = statistics.median(seconds_e), statistics.median(seconds_o)
     print(f"{'step time (fastest)':24}{fe * 1e3:>11.1f} ms{fo * 1e3:>11.1f} ms")
     print(f"{'step time (median)':24}{me * 1e3:>11.1f} ms{mo * 1e3:>11.1f} ms")
-    print(f"{'ratio to eager':24}{1.0:>14.2f}{fo / fe:>14.2f}  (medians {mo / me:.2f}; {steps} steps each, interleaved)")
+    print(f"{'ratio to eager':24}{1.0:>14.2f}{fo / fe:>14.2f}  "
+          f"(medians {mo / me:.2f}; {steps} steps each, interleaved)")
     print()
     print(f"under budget: {'yes' if peak_o <= budget else 'NO'} (the allocator's peak)")
     print(f"gradients identical: {'yes' if identical else 'NO'}")

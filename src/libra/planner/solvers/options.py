@@ -20,7 +20,8 @@ depend on ``b`` whose simulated peak fits ``b``. The family:
 - the same for a second path that switches to the option freeing the most bytes at the peak (the cheaper of equal
   ones): ranked by rate, three small units come before one large one, and where two large ones fit, neither path
   of rates nor the trims (one unit at a time) reaches them (a ResNet's stem and two plain blocks where two other
-  plain blocks fit for less; with offload, two hooked bottlenecks where recompute fit). The two paths share most plans, each simulated once;
+  plain blocks fit for less; with offload, two hooked bottlenecks where recompute fit). The two paths share most
+  plans, each simulated once;
 - the growth to each of ``RUNGS`` budgets evenly spaced from the path's lowest simulated peak to eager's (with
   the simulator's corrections where units interact), trimmed at that budget: these reach budgets between the
   path's plans. One growth goes down the rungs, each going on from the last one's untrimmed plan;
@@ -295,9 +296,9 @@ def trim(problem: Problem, budget: int, choice: Choice, live: np.ndarray,
 
 def _few(problem: Problem) -> list[Choice]:
     """The plans of one unit and of two units that are best by estimate: no other option alone or pair of options
-    of two units has both a lower estimated peak and a lower cost. Pairs are of the best
-    single options (at most ``PAIRED`` of them, evenly spread over their peaks): growth takes the unit that frees
-    the most at the peak per second, where the best pair may be two others that just fit together."""
+    of two units has both a lower estimated peak and a lower cost. Pairs are of the best single options (at most
+    ``PAIRED`` of them, evenly spread over their peaks): growth takes the unit that frees the most at the peak per
+    second, where the best pair may be two others that just fit together."""
     eager = problem.eager
     top = int(eager.max())
     # the largest value before each op, and from each op on
