@@ -1,9 +1,10 @@
 """The default solver against its two families and the exact option MILP (issue 18).
 
-    .venv/bin/python -m bench.planner_family [--models gpt,resnet,unet,mixer] [--profiles a.json b.json]
+    .venv/bin/python -m bench.planner_family [--models gpt,resnet,unet,mixer] [--fresh | --profiles a.json ...]
                                              [--no-milp] [--out bench/results/option-family-<date>.json]
 
-For each benchmark model (full size, profiled after two warm-up steps, or each profile file given), with the op
+For each benchmark model (its profile saved in ``bench/results/profiles/``, the README's planner rows' input; with
+``--fresh``, profiled here at full size after two warm-up steps; or each profile file given), with the op
 times as measured and with steady times (each op 10 us plus 10 us per MiB it writes: the test suite's setup, where a
 plan's cost does not depend on machine load), without offload and with a 2 GB/s host link: the predicted step time,
 as a ratio to eager's, at 90/75/50/30% of eager's activation memory and at the named minimum, of
@@ -32,6 +33,7 @@ from libra.planner import Planning
 from libra.planner.solvers import milp
 
 MODELS = ("gpt", "resnet", "unet", "mixer")
+SAVED = Path(__file__).resolve().parent / "results" / "profiles"
 SHARES = (0.9, 0.75, 0.5, 0.3, "min")
 BANDWIDTHS = (None, 2e9)
 
@@ -92,12 +94,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--profiles", nargs="*", default=[])
+    ap.add_argument("--fresh", action="store_true", help="profile the models here instead of the saved profiles")
     ap.add_argument("--no-milp", action="store_true")
     ap.add_argument("--out", default=f"bench/results/option-family-{datetime.date.today().isoformat()}.json")
     args = ap.parse_args(argv)
-    profiles = {Path(p).name.split(".")[0]: libra.Profile.load(p) for p in args.profiles}
-    if not args.profiles:
-        profiles = {m: _profile_model(m) for m in args.models.split(",") if m}
+    models = [m for m in args.models.split(",") if m]
+    if args.profiles:
+        profiles = {Path(p).name.split(".")[0]: libra.Profile.load(p) for p in args.profiles}
+    elif args.fresh:
+        profiles = {m: _profile_model(m) for m in models}
+    else:
+        profiles = {m: libra.Profile.load(SAVED / f"{m}.json.gz") for m in models}
     out = {"machine": machine_info(), "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": []}
     for name, prof in profiles.items():
         for times, p in (("measured", prof), ("steady", _steady(prof))):
