@@ -160,17 +160,24 @@ _BENCH_MISSES = {
     # six units with two heavy keep-sets where every family member has eight (NOTE [Option family]: growth and trim
     # move one unit at a time)
     ("mixer", None, 0.75): 0.03,
+    # with steady op times, the U-Net with the link: a plan well inside a wide gap between members (6.7% before the
+    # gap middles, NOTE [Option family])
+    ("unet-steady", 2e9, 0.75): 0.02,
 }
 
 
 # with offload, the U-Net and the Mixer only: the exact program takes 10-20 s per budget on the others
 @pytest.mark.parametrize("model, bandwidth", [(m, None) for m in ("gpt", "resnet", "unet", "mixer")]
-                         + [(m, 2e9) for m in ("unet", "mixer")])
+                         + [(m, 2e9) for m in ("unet", "mixer", "unet-steady")])
 def test_default_solver_on_the_bench_profiles(model, bandwidth):
     """The default against the exact option program on the bench models' saved profiles (their measured op times,
-    fixed in the file, so the comparison does not move with the machine): within 1% of the added time at 90/75/50%
-    and at the minimum, but for the recorded misses, each held to its own bound."""
-    prof = libra.Profile.load(_BENCH_PROFILES / f"{model}.json.gz")
+    fixed in the file, so the comparison does not move with the machine; ``-steady``: the suite's steady ones):
+    within 1% of the added time at 90/75/50% and at the minimum, but for the recorded misses, each held to its own
+    bound."""
+    name, _, times = model.partition("-")
+    prof = libra.Profile.load(_BENCH_PROFILES / f"{name}.json.gz")
+    if times == "steady":
+        prof = _steady_times(prof)
     planning = Planning(prof, bandwidth)
     worse = {}
     for share in (0.9, 0.75, 0.5, "min"):
