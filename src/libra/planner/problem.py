@@ -249,10 +249,12 @@ class Problem:
     def unit_values_at(self, ui: int, t: int) -> np.ndarray:
         """The effects of unit ``ui``'s options (``unit_options(ui)``, whose points lie together) on the live
         bytes after op ``t``: ``values_at(t)[unit_options(ui)]`` from the unit's points alone."""
-        got = self._at.get(t)
         mine = self.unit_options(ui)
-        if got is not None or not mine.size:
-            return (got if got is not None else self.values_at(t))[mine]
+        got = self._at.get(t)
+        if got is not None:
+            return got[mine]
+        if not mine.size:
+            return np.zeros(0, dtype=np.int64)
         a, b = int(self.ptr[mine[0]]), int(self.ptr[mine[-1] + 1])
         mask = self.pos[a:b] <= t
         return np.bincount(self._owner[a:b][mask] - mine[0], weights=self.val[a:b][mask],

@@ -29,8 +29,8 @@ State = dict[int, frozenset[int]]
 # writes module state (BatchNorm's running statistics) replays under one light mode that gives those writes private
 # copies (NOTE [Guarded replay] in runtime/region.py): its forward costs what plain checkpoint's does, each replayed
 # op what Libra's replay mode costs (``plain_replay_op``): both are one dispatch mode under checkpoint's replay, which
-# also routes the ``detach`` of each save through it, and they measured alike per op (``bench/executor_cost.py``,
-# 16 KiB activations: 16.0-17.8 us added against 15.9-18.0, plain checkpoint's 8.6-9.2). Units with a random op handed
+# also routes the ``detach`` of each save through it, and they measure alike per op (``bench/executor_cost.py``'s
+# ``guarded_plain`` variant, about twice plain checkpoint's replay). Units with a random op handed
 # its own torch.Generator are never plain (checkpoint restores only the default generators, so the replay would
 # draw other numbers).
 PLAIN: frozenset[int] = frozenset({1 << 40})
