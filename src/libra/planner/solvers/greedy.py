@@ -4,9 +4,8 @@ Each decision's effect on the live-bytes curve is measured once by the simulator
 (NOTE [Sparse effects] in ``effects.py``). The greedy adds these effects while their sum exceeds the budget, always
 at the current peak (kept by a :class:`~libra.planner.solvers.effects.PeakTree`); when the sum fits, the full
 simulator checks the plan (it sees the interactions between regions the sum ignores) and the greedy goes on from
-the simulated curve if needed. It then undoes, most expensive first, every move the fitting plan does not need,
-and tries doing without each of its costliest units. :meth:`Greedy.solve` makes the result monotone in the budget
-(NOTE [Monotone in the budget]).
+the simulated curve if needed. It then undoes, most expensive first, every move the fitting plan does not need.
+:meth:`Greedy.solve` makes the result monotone in the budget (NOTE [Monotone in the budget]).
 
 NOTE [Planner cost]: with m moves and n ops, the effects cost O(sum of unit sizes x candidates per unit) to measure;
 one greedy growth O(k log n) for k options taken plus O(m) each time the peak moves to another op (all options are
@@ -26,7 +25,6 @@ from libra.planner.solvers.front import Front, default_ladder
 
 __all__ = ["Effects", "Greedy", "full_state", "state_for", "RECOMPUTE", "OFFLOAD"]
 
-_POLISH_UNITS = 12
 _VERIFY_ROUNDS = 32
 
 
@@ -261,7 +259,7 @@ class _Search:
         live, _ = self.sim.live(state_for(self.sim, [self.fx.moves[m] for m in chosen]))
         return live
 
-    def _flags(self, chosen, banned=()) -> tuple[np.ndarray, np.ndarray]:
+    def _flags(self, chosen) -> tuple[np.ndarray, np.ndarray]:
         """(checkpointed units, moves no longer open) for a plan made of ``chosen``."""
         fx = self.fx
         on = np.zeros(fx.n_units, dtype=bool)
@@ -269,14 +267,7 @@ class _Search:
         on[fx.move_unit[chosen]] = True
         cand = np.zeros(len(fx.cand_of), dtype=bool)
         cand[fx.move_cand[chosen]] = True
-        taken = ~self.allowed | cand[fx.move_cand]
-        for u in banned:
-            taken[fx.moves_of_unit(u)] = True
-        return on, taken
-
-    def _apply(self, tree: PeakTree, moves, on: np.ndarray, taken: np.ndarray, chosen: list,
-               ranking: _Ranking | None = None) -> None:
-        _take(self.fx, tree, moves, on, taken, chosen, ranking)
+        return on, ~self.allowed | cand[fx.move_cand]
 
     # ---- growth -------------------------------------------------------------------------------------------------
     def grow(self, tree: PeakTree, chosen: list, on: np.ndarray, taken: np.ndarray) -> bool:
@@ -291,7 +282,7 @@ class _Search:
             option = ranking.pop(on, taken)
             if option is None:
                 return False
-            self._apply(tree, option, on, taken, chosen, ranking)
+            _take(self.fx, tree, option, on, taken, chosen, ranking)
 
     def grow_verified(self, chosen: list, on: np.ndarray, taken: np.ndarray,
                       tree: PeakTree) -> tuple[list, np.ndarray] | None:
@@ -357,33 +348,6 @@ class _Search:
 
         return fitting[longest_prefix(len(removed), fits)]
 
-    # ---- trials -------------------------------------------------------------------------------------------------
-    def trial(self, chosen: list, live_tree: PeakTree, drop_unit: int) -> list | None:
-        """``chosen`` without unit ``drop_unit``, grown back to fit and undone, on the estimate only (``live_tree``
-        is the simulated curve of ``chosen``; it is restored)."""
-        fx = self.fx
-        mark = live_tree.mark()
-        rest = [m for m in chosen if fx.move_unit[m] != drop_unit]
-        if len(rest) < len(chosen):
-            dropped = [(*fx.move_points(m), -1) for m in chosen if fx.move_unit[m] == drop_unit]
-            live_tree.add_merged(dropped + [(*fx.unit_points(drop_unit), -1)])
-        on, taken = self._flags(rest, banned=(drop_unit,))
-        result = None
-        if self.grow(live_tree, rest, on, taken):
-            removed = set(self._undo_estimate(live_tree, rest))
-            result = [m for m in rest if m not in removed]
-        live_tree.rollback(mark)
-        return result
-
-    def settle(self, trial: list) -> tuple[list, np.ndarray] | None:
-        """A trial checked by the simulator: as it is if it fits, else grown from its simulated curve and undone."""
-        live = self.simulate(trial)
-        if live.max() <= self.budget:
-            return trial, live
-        on, taken = self._flags(trial)
-        grown = self.grow_verified(list(trial), on, taken, PeakTree(live))
-        return None if grown is None else self.undo(*grown)
-
     def run(self, full: State, path: _Path) -> tuple[list[int], np.ndarray]:
         """Greedy growth along the shared path and undo: (moves, simulated curve)."""
         fx = self.fx
@@ -402,60 +366,6 @@ class _Search:
             chosen = _moves_of(fx, full)
             grown = chosen, self.simulate(chosen)
         return self.undo(*grown)
-
-    def polish(self, chosen: list[int], live: np.ndarray) -> list[int]:
-        """Tries doing without each of the costliest checkpointed units, regrowing elsewhere."""
-        fx = self.fx
-        cost = fx.cost(chosen)
-
-        def consider(trial: list | None) -> None:
-            nonlocal chosen, live, cost, tree
-            if trial is None or fx.cost(trial) >= cost:
-                return
-            settled = self.settle(trial)
-            if settled is not None and fx.cost(settled[0]) < cost:
-                chosen, live = settled
-                cost = fx.cost(chosen)
-                tree = PeakTree(live)
-                measure()
-
-        # NOTE [Hopeless trials]: a trial that drops unit u must free again, at the current peak t, the bytes u
-        # freed there beyond the budget's slack, and no open option frees more bytes at t per second than the best
-        # one now; when even that rate cannot make up for what dropping u saves, the trial is not run.
-        tree = PeakTree(live)
-        spend: dict[int, float] = {}
-        freed: dict[int, int] = {}
-        rate = 0.0
-        slack = 0
-        mv = uv = None
-
-        def measure() -> None:
-            nonlocal rate, slack, mv, uv
-            t = int(np.argmax(live))
-            mv, uv = fx.values_at(t)
-            on, taken = self._flags(chosen)
-            top = _Ranking(fx, t, on, taken).heap
-            rate = -top[0][0] if top else 0.0
-            slack = self.budget - int(live[t])
-            spend.clear()
-            freed.clear()
-            for m in chosen:
-                u = int(fx.move_unit[m])
-                spend[u] = spend.get(u, float(fx.unit_cost[u])) + float(fx.move_cost[m])
-                freed[u] = freed.get(u, -int(uv[u])) - int(mv[m])
-
-        def hopeless(u: int) -> bool:
-            if u not in spend:
-                return True
-            need = freed[u] - slack
-            return need > 0 and (rate <= 0 or need / rate >= spend[u])
-
-        measure()
-        # Polish: try doing without each checkpointed unit (the costliest few), regrowing elsewhere.
-        for ui in sorted(spend, key=lambda u: (-spend[u], u))[:_POLISH_UNITS]:
-            if any(fx.move_unit[m] == ui for m in chosen) and not hopeless(ui):
-                consider(self.trial(chosen, tree, ui))
-        return chosen
 
 
 class Greedy:
@@ -492,7 +402,7 @@ class Greedy:
         return self._path
 
     def solve_at(self, budget: int) -> State | None:
-        """The greedy state for exactly ``budget`` (not monotone in it; see :meth:`solve`), polished, or None when
+        """The greedy state for exactly ``budget`` (not monotone in it; see :meth:`solve`), or None when
         even evicting every candidate does not fit."""
         if self.sim.run({}).peak_bytes <= budget:
             return {}
@@ -501,7 +411,7 @@ class Greedy:
             return None
         allowed, path = self.path
         search = _Search(self.sim, self.fx, budget, allowed)
-        chosen = search.polish(*search.run(state, path))
+        chosen, _ = search.run(state, path)
         return state_for(self.sim, [self.fx.moves[c] for c in chosen])
 
     def solve(self, budget: int, ladder: list[int] | None = None) -> State | None:
