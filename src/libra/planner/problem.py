@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from libra.planner.simulate import EARLY, HOOKED, PLAIN, Simulator, State, is_hooked, kept_split
-from libra.planner.solvers.effects import OFFLOAD, RECOMPUTE, merged
+from libra.planner.solvers.effects import OFFLOAD, RECOMPUTE
 
 __all__ = ["Mode", "Option", "Problem", "Choice", "EXHAUSTIVE_CANDIDATES"]
 
@@ -76,6 +76,23 @@ class Option:
 
 
 Choice = dict[int, int]  # unit index -> option index (into Problem.options)
+
+
+def _merged(owner: list[np.ndarray], pos: list[np.ndarray], val: list[np.ndarray]):
+    """Every option's sparse effect with one entry per position, in order, zeros dropped: ``(owner, pos, val)``
+    sorted by option, then position (all options at once: one sort, where one ``np.unique`` per option cost more
+    than measuring it)."""
+    if not pos:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    o, p, v = np.concatenate(owner), np.concatenate(pos), np.concatenate(val)
+    order = np.lexsort((p, o))
+    o, p, v = o[order], p[order], v[order]
+    first = np.r_[True, (o[1:] != o[:-1]) | (p[1:] != p[:-1])] if o.size else np.zeros(0, dtype=bool)
+    starts = np.flatnonzero(first)
+    summed = np.add.reduceat(v, starts) if starts.size else v[:0]
+    keep = summed != 0
+    return o[starts][keep], p[starts][keep], summed[keep]
 
 
 def _dense(pos: np.ndarray, val: np.ndarray, n: int) -> np.ndarray:
@@ -181,31 +198,28 @@ class Problem:
         self.eager = np.array(sim.live({})[0])
         self.n_t = len(self.eager)
         self.options: list[Option] = []
-        unit_of, cost, terms, pos, val, ptr = [], [], [], [], [], [0]
+        unit_of, cost, terms, pos, val, owner = [], [], [], [], [], []
         self.of_unit: list[list[int]] = []
         for ui in range(len(sim.units)):
             mine = []
             for opt in unit_options(sim, ui, self.kinds, self.eager):
                 p, v, seconds = sim.changes_and_terms({ui: opt.entry()})
-                p, v = merged(p, v)
                 mine.append(len(self.options))
+                owner.append(np.full(p.size, len(self.options), dtype=np.int64))
                 self.options.append(opt)
                 unit_of.append(ui)
                 cost.append(max(sim.added_seconds(seconds), 1e-12))
                 terms.append(seconds)
                 pos.append(p)
                 val.append(v)
-                ptr.append(ptr[-1] + p.size)
             self.of_unit.append(mine)
-        empty = np.zeros(0, dtype=np.int64)
         self.unit_of = np.array(unit_of, dtype=np.int64)
         self.cost = np.array(cost, dtype=np.float64)  # each option's added seconds alone
         # and its (base, exposed, lane) terms, which add up over units (Simulator.added_seconds)
         self.terms = np.array(terms, dtype=np.float64).reshape(-1, 3)
-        self.pos = np.concatenate(pos) if pos else empty
-        self.val = np.concatenate(val) if val else empty
-        self.ptr = np.array(ptr, dtype=np.int64)
-        self._owner = np.repeat(np.arange(len(self.options)), np.diff(self.ptr))
+        self._owner, self.pos, self.val = _merged(owner, pos, val)
+        self.ptr = np.searchsorted(self._owner, np.arange(len(self.options) + 1)).astype(np.int64)
+        ptr = self.ptr.tolist()
         self._points = [(self.pos[a:b].tolist(), self.val[a:b].tolist()) for a, b in zip(ptr[:-1], ptr[1:])]
         self._spans: dict[int, tuple[int, np.ndarray]] = {}
         self._at: dict[int, np.ndarray] = {}
