@@ -21,25 +21,26 @@ __all__ = ["machine_info", "write_result", "steady_malloc"]
 # from step to step with the heap's state; a GPU's caching allocator keeps freed blocks instead. So each timing
 # worker keeps freed memory in the process (``steady_malloc``): after a warm-up step no step faults, eager's fastest
 # and median steps agree within 4%, and the profile's eager time matches the measured one (ResNet, 2026-12-07).
-_MALLOC = {"applied": None}
+_malloc_applied: str | None = None  # what steady_malloc did, once it ran
 
 
 def steady_malloc() -> str:
     """Makes glibc's malloc keep freed memory in this process (no mmap for large blocks, no heap trim), as a GPU's
     caching allocator keeps its blocks (NOTE [Page faults on CPU]); a no-op elsewhere. Returns what was done, which
     ``machine_info`` records."""
-    if _MALLOC["applied"] is None:
-        _MALLOC["applied"] = "system default"
+    global _malloc_applied
+    if _malloc_applied is None:
+        _malloc_applied = "system default"
         name = ctypes.util.find_library("c")
         if platform.system() == "Linux" and name:
             try:
                 libc = ctypes.CDLL(name)
                 m_trim_threshold, m_mmap_threshold = -1, -3
                 if libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 2**31 - 1):
-                    _MALLOC["applied"] = "glibc: large blocks from the heap, heap never trimmed"
+                    _malloc_applied = "glibc: large blocks from the heap, heap never trimmed"
             except (OSError, AttributeError):
                 pass
-    return _MALLOC["applied"]
+    return _malloc_applied
 
 
 def _cpu_model() -> str:
@@ -81,7 +82,7 @@ def machine_info() -> dict:
         "torch_threads": torch.get_num_threads(),
         "cuda_available": torch.cuda.is_available(),
         "load_average_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "malloc": _MALLOC["applied"] or "system default",
+        "malloc": _malloc_applied or "system default",
         "libra": libra_version(),
     }
 

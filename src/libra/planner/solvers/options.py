@@ -376,18 +376,19 @@ class Family:
 
         simulated: dict[tuple, tuple[np.ndarray, float]] = {}  # trims simulate the choices add() keeps
 
-        def simulate(choice: Choice) -> tuple[np.ndarray, float]:
-            key = tuple(sorted(choice.items()))
-            if key not in simulated:
-                simulated[key] = sim.live(pr.state(choice))
-            return simulated[key]
+        def simulate(choice: Choice, key: tuple | None = None) -> tuple[np.ndarray, float]:
+            key = tuple(sorted(choice.items())) if key is None else key
+            got = simulated.get(key)
+            if got is None:
+                got = simulated[key] = sim.live(pr.state(choice))
+            return got
 
         def add(choice: Choice) -> bool:
             key = tuple(sorted(choice.items()))
             if key in found:
                 return False
-            live, added = simulate(choice)
-            # the rungs' growth goes on in choice: the member is a copy
+            live, added = simulate(choice, key)
+            # the rungs' growth goes on in choice: the member is a copy (its curve is the memo's, not a copy)
             found[key] = (added, int(live.max()), dict(choice), live)
             return True
 
@@ -400,7 +401,7 @@ class Family:
                 one = one[:PATH_PLANS] + [one[PATH_PLANS + rest * i // PATH_PLANS] for i in range(PATH_PLANS)]
             grown.update((tuple(sorted(c.items())), c) for c in one)
         for choice in grown.values():
-            live, _ = sim.live(pr.state(choice))
+            live, _ = simulate(choice)
             peak = int(live.max())
             lowest = min(lowest, peak)
             add(trim(pr, peak, choice, live, simulate)[0])
