@@ -666,3 +666,27 @@ class LayerDropStack(Stack):
             if i != self.skip:
                 h = block(h)
         return self.head(h)
+
+
+class DenseLayer(nn.Module):
+    """A DenseNet-style layer: handed the list of the block's features so far, which its caller appends to after
+    the call (torchvision's ``_DenseBlock``). It sums them, so a replay that read the list as it is later would get
+    a same-shaped wrong value, not an error."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, features: list):
+        return F.gelu(self.fc(torch.stack(features).sum(0)))
+
+
+class DenseStack(Stack):
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__(DenseLayer, depth=depth)
+
+    def forward(self, x):
+        features = [self.inp(x)]
+        for block in self.blocks:
+            features.append(block(features))
+        return self.head(features[-1])

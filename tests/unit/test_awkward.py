@@ -695,3 +695,39 @@ def test_users_own_reentrant_checkpoint_inside_a_block():
 
 def test_save_on_cpu_inside_a_block():
     run_case(stack(am.SaveOnCpuBlock), [features()])
+
+
+# ---- arguments the caller changes after the call ------------------------------------------------------------------
+def test_a_list_argument_appended_to_after_the_call():
+    """NOTE [Arguments as they were] in runtime/region.py: each replay gets the list as the forward had it."""
+    res = run_case(am.DenseStack, [features()])
+    assert any(r.module.startswith("blocks.") for r in res.plan.regions)
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["modes", "plain"])
+def test_a_list_argument_appended_to_after_the_call_every_way(plain):
+    """The same for every block run under Libra's region modes recomputing everything, and under plain checkpoint:
+    both replay the module's Python with the arguments checkpoint holds."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    eager = am.DenseStack()
+    ours = copy.deepcopy(eager)
+    batch = features()
+    prof = libra.profile(ours, lambda: ce_step(ours, batch))
+    ours.zero_grad(set_to_none=True)
+    plan = libra.plan(prof, max(prof.budget_for_share(0.5), Planning(prof).min_budget_bytes()))
+    blocks = [r for r in plan.regions if r.module.startswith("blocks.")]
+    assert blocks
+    forced = dataclasses.replace(plan, regions=[
+        dataclasses.replace(r, plain=plain, save=[] if plain else r.save, skip=[], offload=[]) for r in blocks])
+    for i in range(2):
+        torch.manual_seed(10 + i)
+        loss_e = ce_step(eager, batch)
+        torch.manual_seed(10 + i)
+        with libra.apply(ours, forced):
+            loss_o = ce_step(ours, batch)
+        assert torch.equal(loss_e, loss_o)
+        assert_grads_equal(eager, ours)
+        for m in (eager, ours):
+            m.zero_grad(set_to_none=True)

@@ -17,7 +17,8 @@ from libra._forward import ForwardSwaps
 from libra.errors import LibraError, PlanMismatchError, UnplannedInputsError
 from libra.planner.types import Decision, Plan, RegionPlan
 from libra._ops import input_signature, kv_cache_args, model_signature, plain_tensors, storage_key
-from libra.runtime.region import HookRun, OffloadContext, PlainRun, RegionRun, TriggerRun, debug_enabled
+from libra.runtime.region import (HookRun, OffloadContext, PlainRun, RegionRun, TriggerRun, debug_enabled,
+                                  hand_arguments)
 from libra.units import format_bytes
 
 __all__ = ["apply", "begin_step", "Replanner"]
@@ -66,6 +67,7 @@ class _RegionForward:
         plain = PlainRun(self.forward, region, self.session.buffer_keys() if owns_state else set())
         self.session.track(plain, key)
         context_fn = plain.contexts if plain.guarded else torch_checkpoint.noop_context_fn
+        args, kwargs = hand_arguments(plain, args, kwargs)  # NOTE [Arguments as they were]
         return torch_checkpoint.checkpoint(plain.run, *args, use_reentrant=False, preserve_rng_state=True,
                                            context_fn=context_fn, **kwargs)
 
@@ -138,6 +140,7 @@ class _RegionForward:
         run = RegionRun(region, self.forward, self.session.offload, note=self.session.note_once,
                         buffer_keys=self.session.buffer_keys())
         self.session.track(run, key)
+        args, kwargs = hand_arguments(run, args, kwargs)  # NOTE [Arguments as they were]
         return torch_checkpoint.checkpoint(
             run.run,
             *args,

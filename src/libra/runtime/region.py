@@ -88,6 +88,39 @@ def _restore_generators(states) -> None:
             torch.cuda.set_rng_state(state, gen)
 
 
+def _containers(x):
+    """``x`` with every list, tuple and dict in it copied (a tuple subclass, a named tuple, rebuilt as itself), the
+    tensors and other values the same objects.
+
+    NOTE [Arguments as they were]: checkpoint's replay calls the function again with the objects the forward was
+    handed. A list is one object: a caller that appends to it after the call (DenseNet's dense block hands each layer
+    the list of features so far, then appends the layer's output) changes what the replay reads, and the replay
+    concatenates one more feature map than the forward did (torchvision's densenet121 under a plan: "running_mean
+    should contain 256 elements not 224"; with same-shaped items, a wrong gradient). And checkpoint holds the list
+    to the call's backward, with every feature appended since: each layer's frame held all of them where the
+    planner counts what the call was handed (ModuleCall.arg_storages), 21% over the budget on a small dense stack.
+    So checkpoint is handed a copy of the containers as they are when the call begins (:func:`hand_arguments`),
+    the forward runs with the caller's own (it may change them for the caller) and lets go of them, and each
+    replay gets a fresh copy of that copy. The tensors in them are the same ones, whose in-place changes the runs
+    check."""
+    if type(x) is list:
+        return [_containers(v) for v in x]
+    if type(x) is dict:
+        return {k: _containers(v) for k, v in x.items()}
+    if isinstance(x, tuple):
+        items = [_containers(v) for v in x]
+        return tuple(items) if type(x) is tuple else (type(x)(*items) if hasattr(x, "_fields") else type(x)(items))
+    return x
+
+
+def hand_arguments(run, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """What checkpoint is handed for ``run``'s call (NOTE [Arguments as they were]): a copy of the call's containers;
+    ``run``'s forward gets the caller's own, once."""
+    run.caller = (args, kwargs)
+    run.arguments = _containers((args, kwargs))
+    return run.arguments
+
+
 def _leaves(out) -> list:
     """The tensors in an op's output. NOTE [Op outputs]: at the dispatch level an aten op returns a tensor, a plain
     tuple or list of tensors (``None`` for undefined ones), or a Python value; pytree's general walk costs several
@@ -243,6 +276,9 @@ class PlainRun:
         self.forward = forward
         self.on_backward = None
         self.calls = 0
+        # the call's arguments as they were, and the caller's own for the forward (NOTE [Arguments as they were])
+        self.arguments: tuple = ((), {})
+        self.caller: tuple | None = None
         self.buffer_keys = buffer_keys or set()
         self.protect = region.protect if region is not None else {}
         self.ops = region.ops if region is not None else []
@@ -256,11 +292,17 @@ class PlainRun:
 
     def run(self, *args, **kwargs):
         self.calls += 1
-        if self.calls > 1:
+        if self.calls == 1:
+            if self.caller is not None:  # NOTE [Arguments as they were]
+                (args, kwargs), self.caller = self.caller, None
+            else:  # handed to checkpoint as they are: the replays still get them as they were
+                self.arguments = _containers((args, kwargs))
+        else:
             self.index = 0
             self.following = bool(self.ops)
             if self.on_backward is not None:
                 self.on_backward()
+            args, kwargs = _containers(self.arguments)
         return self.forward(*args, **kwargs)
 
     def prefetch(self) -> None:
@@ -424,6 +466,9 @@ class RegionRun:
         self.replay_storages: set[int] = set()  # storages the current replay made or got from the cache
         self.replay_index = 0
         self.calls = 0
+        # the call's arguments as they were, and the caller's own for the forward (NOTE [Arguments as they were])
+        self.arguments: tuple = ((), {})
+        self.caller: tuple | None = None
         self.input_versions: list[tuple[torch.Tensor, int]] = []
         self.on_backward = None  # OffloadContext.register's: called when the replay starts (NOTE [Prefetch])
 
@@ -434,8 +479,13 @@ class RegionRun:
         """The function checkpoint calls: once for the forward, once per replay."""
         self.calls += 1
         if self.calls == 1:
+            if self.caller is not None:  # NOTE [Arguments as they were]
+                (args, kwargs), self.caller = self.caller, None
+            else:  # handed to checkpoint as they are: the replays still get them as they were
+                self.arguments = _containers((args, kwargs))
             self.input_versions = [(t, t._version) for t in call_tensors(args, kwargs)]
         else:
+            args, kwargs = _containers(self.arguments)
             self.replay_index = 0
             self.replay_storages = set()
             if self.on_backward is not None:
