@@ -112,11 +112,28 @@ def _select_calls(profile: Profile, fwd_ops: int, granularity: str = "fine") -> 
     - ``"blocks"``: a call is split only when it is larger than a quarter of the forward (a stage, a ModuleList
       run, a wrapper of the whole model), so blocks stay whole, as per-block checkpointing wraps them.
 
-    In both, a call whose forward runs a collective is split whenever it has children.
+    In both, a call larger than a quarter of the forward stays whole where its own ops, not its children's, make
+    most of the saved bytes made inside it: a state-space model's scan, a Python loop over time steps around a few linear
+    layers (split, what its loop saves would be in no region, and the planner could lower nothing of it). A call
+    whose forward runs a collective is split whenever it has children.
     """
     calls = profile.module_calls
     kids = _children(profile)
     chosen: list[int] = []
+    # call -> bytes of the saved activations its own ops make (not its children's): what it alone could recompute
+    innermost = [-1] * fwd_ops
+    for ci in sorted(range(len(calls)), key=lambda i: calls[i].depth):
+        c = calls[ci]
+        innermost[c.start_op:min(c.end_op, fwd_ops)] = [ci] * max(min(c.end_op, fwd_ops) - c.start_op, 0)
+    own_bytes: dict[int, int] = {}
+    for sid in {p.storage for p in profile.packs}:
+        rec = profile.storages[sid]
+        if not rec.static and 0 <= rec.producer < fwd_ops and innermost[rec.producer] >= 0:
+            owner = innermost[rec.producer]
+            own_bytes[owner] = own_bytes.get(owner, 0) + rec.nbytes
+
+    def saved_bytes(i: int) -> int:
+        return own_bytes.get(i, 0) + sum(saved_bytes(k) for k in kids.get(i, []))
 
     def size(i: int) -> int:
         return calls[i].end_op - calls[i].start_op
@@ -127,7 +144,7 @@ def _select_calls(profile: Profile, fwd_ops: int, granularity: str = "fine") -> 
             return False
         total = size(i)
         if total > max(fwd_ops / 4.0, 48.0):
-            return True
+            return 2 * own_bytes.get(i, 0) <= saved_bytes(i)
         if granularity == "blocks":
             return False
         if len(children) == 1:
