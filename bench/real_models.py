@@ -111,6 +111,8 @@ def vision_cases():
         "tv.deeplabv3_mobilenet_v3_large": (seg(tvs.deeplabv3_mobilenet_v3_large), lambda: _masks(4, 160, 21), _seg_loss,
                                             "4x3x160x160, mask"),
         "tv.fcn_resnet50": (seg(tvs.fcn_resnet50), lambda: _masks(4, 128, 21), _seg_loss, "4x3x128x128, mask"),
+        # each dense layer is handed the list of features its block appends to after the call
+        "tv.densenet121": (tv(tvm.densenet121), lambda: _images(4, 128, 1000), _cls_loss, "4x3x128x128"),
         "timm.resnet18d": (tm("resnet18d"), lambda: _images(8, 160, 1000), _cls_loss, "8x3x160x160"),
         "timm.efficientnet_lite0": (tm("efficientnet_lite0"), lambda: _images(8, 160, 1000), _cls_loss, "8x3x160x160"),
         "timm.vit_tiny_patch16_224": (tm("vit_tiny_patch16_224", drop_path_rate=0.1), lambda: _images(8, 224, 1000),
@@ -219,6 +221,9 @@ def hf_cases():
             dropout=0.1, pad_token_id=0, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
             use_cache=False)),
             t5_in, hf_loss, "4x128 ids -> 4x64 labels, dropout 0.1"),
+        # the reference scan (no mamba_ssm kernels): a Python loop over time steps inside each mixer call
+        "hf.mamba": (causal(tf.MambaConfig(hidden_size=64, num_hidden_layers=2, state_size=8, **common), attn="eager"),
+                     lm, hf_loss, "4x128 ids, reference scan"),
         # layer drop: each step skips other layers than the profiled one did (control flow that leaves the plan)
         "hf.whisper_layerdrop": (lambda: tf.WhisperForConditionalGeneration(tf.WhisperConfig(**dict(
             wcfg.to_dict(), encoder_layers=4, decoder_layers=4, encoder_layerdrop=0.3, decoder_layerdrop=0.3))),
