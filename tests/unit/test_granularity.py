@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 import libra
 from libra.planner import Planning
+from libra.planner.regions import MAX_CANDIDATES
 from libra.testing import AllocatorMeter, assert_grads_equal
 from libra.testing.models import make_gpt, make_mixer, make_unet
 from pairs import plan_anew
@@ -148,13 +149,16 @@ class _Scan(torch.nn.Module):
         return x + self.out(torch.stack(steps, 1))
 
 
-def test_a_large_call_whose_own_ops_save_most_stays_whole():
+@pytest.mark.parametrize("steps", [48, 96], ids=["48 steps", "96 steps, candidates capped"])
+def test_a_large_call_whose_own_ops_save_most_stays_whole(steps):
     """A call larger than a quarter of the forward is split into its children only where they save most of what it
     saves (NOTE [Region granularity]): split, a scan's steps would be in no region and the planner could lower
-    nothing (HF's Mamba on its reference path: minimum 97% of eager's peak, 68% with the scan whole)."""
+    nothing (HF's Mamba on its reference path: minimum 97% of eager's peak, 68% with the scan whole). With more
+    steps than ``MAX_CANDIDATES`` the unit keeps its largest as candidates and recomputes the rest (NOTE [Many
+    candidates])."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(_Scan(32, 64), _Scan(32, 64), _Scan(32, 64))
-    x, y = torch.randn(8, 48, 32), torch.randn(8, 48, 32)
+    x, y = torch.randn(8, steps, 32), torch.randn(8, steps, 32)
     eager, ours = model, copy.deepcopy(model)
     loss = torch.nn.functional.mse_loss
     torch.manual_seed(0)
@@ -162,6 +166,8 @@ def test_a_large_call_whose_own_ops_save_most_stays_whole():
     ours.zero_grad(set_to_none=True)
     planning = Planning(prof)
     assert {u.module for u in planning.units} == {"0", "1", "2"}
+    assert all(len(u.candidates) == min(steps + 1, MAX_CANDIDATES) for u in planning.units), [
+        len(u.candidates) for u in planning.units]
     activations = prof.eager_peak_bytes - prof.static_bytes
     minimum = planning.min_budget_bytes()
     assert minimum - prof.static_bytes <= 0.75 * activations, (minimum - prof.static_bytes, activations)

@@ -11,7 +11,8 @@ is one way to run the unit's calls:
   eight candidates, which the move-level greedy finds on measured op times), and the prefixes of the order a
   greedy alone on eager's curve evicts them in (most bytes freed at the peak per second first: which candidates
   free bytes at the peak depends on when it falls in the unit's replay, which no order of the unit's own figures
-  knows). Where offloading is allowed, each eviction set comes twice more: offloading what may be offloaded and
+  knows); with more than ``PREFIXES`` candidates, ``PREFIXES`` lengths of each, evenly spread (NOTE [Many
+  candidates] in ``regions.py``). Where offloading is allowed, each eviction set comes twice more: offloading what may be offloaded and
   recomputing the rest, and (when recompute is not allowed) offloading alone.
 - ``Mode.PLAIN``: plain ``torch.utils.checkpoint`` (NOTE [Plain regions] in ``simulate.py``), where allowed.
 - ``Mode.HOOKED``: saved-tensor hooks that offload what the call saves (NOTE [Hooked regions]), where allowed.
@@ -39,6 +40,7 @@ from libra.planner.solvers.effects import OFFLOAD, RECOMPUTE
 __all__ = ["Mode", "Option", "Problem", "Choice", "EXHAUSTIVE_CANDIDATES"]
 
 EXHAUSTIVE_CANDIDATES = 6  # units with at most this many candidates get every eviction set (2**6 = 64)
+PREFIXES = 32  # prefixes (and suffixes) of each ordering a unit with more candidates gets, evenly spread
 
 
 class Mode(enum.Enum):
@@ -148,12 +150,19 @@ def _eviction_sets(sim: Simulator, ui: int, eager: np.ndarray) -> list[frozenset
     if len(cands) <= EXHAUSTIVE_CANDIDATES:
         return [frozenset(c) for r in range(1, len(cands) + 1) for c in itertools.combinations(cands, r)]
     out: dict[frozenset[int], None] = {}
+    n = len(cands)
+    # lengths of the prefixes and suffixes: every one, or PREFIXES of them evenly spread where the unit has more
+    # candidates (NOTE [Many candidates] in regions.py: each option costs time linear in the unit's size)
+    if n <= PREFIXES:
+        lengths: list[int] = list(range(1, n + 1))
+    else:
+        lengths = sorted({max(1, round(n * k / PREFIXES)) for k in range(1, PREFIXES + 1)})
     for order in _orderings(sim, ui):
-        for i in range(1, len(order) + 1):
+        for i in lengths:
             out.setdefault(frozenset(order[:i]), None)  # evict the first i
             out.setdefault(frozenset(order[-i:]), None)  # keep only the first len - i
     order = _at_the_peak(sim, ui, eager)  # its suffixes would keep what frees the most at the peak
-    for i in range(1, len(order) + 1):
+    for i in lengths:
         out.setdefault(frozenset(order[:i]), None)
     return list(out)
 

@@ -94,6 +94,14 @@ def _children(profile: Profile) -> dict[int, list[int]]:
 
 GRANULARITIES = ("fine", "blocks")
 
+# NOTE [Many candidates]: a call that runs a Python loop over time steps (an RNN cell, RWKV's or a state-space
+# model's reference scan) saves a few small tensors per step: RWKV's attention call, 3753 ops, has 1421 candidates.
+# The planner measures each candidate's eviction and each option of a unit alone, each in time linear in the unit's
+# size, so such a unit took 40 s for the moves and 300 s for the options of a 2-layer model. A unit keeps as
+# candidates only its MAX_CANDIDATES largest; the others are recomputed whenever the unit is checkpointed, which is
+# what matters for such a unit (recompute the loop or keep it whole), at a plan cost like any other unit's.
+MAX_CANDIDATES = 64
+
 
 def _select_calls(profile: Profile, fwd_ops: int, granularity: str = "fine") -> list[int]:
     """Disjoint module calls to use as regions: the root's children, each split into its children while it is a
@@ -407,6 +415,10 @@ def analyse(profile: Profile, granularity: str = "fine") -> tuple[list[Unit], di
         unit.offloadable = (unit.offloadable | set(candidate_bytes)) - not_offloadable
     result = list(units.values())
     for u in result:
+        if len(u.candidate_bytes) > MAX_CANDIDATES:  # NOTE [Many candidates]
+            top = set(sorted(u.candidate_bytes, key=lambda j: (-u.candidate_bytes[j], j))[:MAX_CANDIDATES])
+            u.candidate_bytes = {j: x for j, x in u.candidate_bytes.items() if j in top}
+            u.offloadable &= top
         u.candidates = sorted(u.candidate_bytes)
     return result, rejected
 
