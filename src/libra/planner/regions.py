@@ -115,8 +115,10 @@ def _select_calls(profile: Profile, fwd_ops: int, granularity: str = "fine") -> 
     budget, the faster plan wins (``Planning``):
 
     - ``"fine"``: a call is split when its children are blocks (at least two children of 8 ops or more covering 80%
-      of its ops, like a Sequential stage of bottlenecks), or when one child wraps nearly all of it; a transformer
-      block (one big attention child, small layers around it, residual adds of its own) stays whole;
+      of its ops, like a Sequential stage of bottlenecks, or four or more covering 90%, like SSDlite's run of a
+      dozen small inverted residuals: whole, its replay brought them all back at once), or when one child wraps
+      nearly all of it; a transformer block (one big attention child, small layers around it, residual adds of its
+      own) stays whole;
     - ``"blocks"``: a call is split only when it is larger than a quarter of the forward (a stage, a ModuleList
       run, a wrapper of the whole model), so blocks stay whole, as per-block checkpointing wraps them.
 
@@ -157,8 +159,12 @@ def _select_calls(profile: Profile, fwd_ops: int, granularity: str = "fine") -> 
             return False
         if len(children) == 1:
             return size(children[0]) >= 0.9 * total
+        covered = sum(size(k) for k in children)
         big = [k for k in children if size(k) >= max(8, total / 8)]
-        return len(big) >= 2 and sum(size(k) for k in children) >= 0.8 * total
+        if len(big) >= 2 and covered >= 0.8 * total:
+            return True
+        # a run of many small blocks (a Sequential of a dozen inverted residuals) covering nearly all of it
+        return sum(1 for k in children if size(k) >= 8) >= 4 and covered >= 0.9 * total
 
     def collective(i: int) -> bool:
         # NOTE [Collectives split a call]: a call whose forward runs a collective (an FSDP2-sharded submodule's
