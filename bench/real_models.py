@@ -79,6 +79,23 @@ def _masks(b, size, classes, seed=1):
             "y": torch.randint(0, classes, (b, size, size), generator=g)}
 
 
+def _detection(n, size, seed=3):
+    """Images and three boxes each, as torchvision's detection models take them in training (lists of images and
+    of target dicts; the model computes its own losses)."""
+    g = torch.Generator().manual_seed(seed)
+    images = [torch.rand(3, size, size, generator=g) for _ in range(n)]
+    targets = []
+    for _ in range(n):
+        corner = torch.rand(3, 2, generator=g) * (size - 80)
+        targets.append({"boxes": torch.cat([corner, corner + 20 + torch.rand(3, 2, generator=g) * 60], 1),
+                        "labels": torch.randint(1, 5, (3,), generator=g)})
+    return {"images": images, "targets": targets}
+
+
+def _det_loss(model, inp):
+    return sum(model(inp["images"], inp["targets"]).values())
+
+
 def _cls_loss(model, inp):
     return F.cross_entropy(model(inp["x"]), inp["y"])
 
@@ -90,6 +107,7 @@ def _seg_loss(model, inp):
 def vision_cases():
     import timm
     import torchvision.models as tvm
+    import torchvision.models.detection as tvd
     import torchvision.models.segmentation as tvs
 
     def tv(fn, **kw):
@@ -113,6 +131,10 @@ def vision_cases():
         "tv.fcn_resnet50": (seg(tvs.fcn_resnet50), lambda: _masks(4, 128, 21), _seg_loss, "4x3x128x128, mask"),
         # each dense layer is handed the list of features its block appends to after the call
         "tv.densenet121": (tv(tvm.densenet121), lambda: _images(4, 128, 1000), _cls_loss, "4x3x128x128"),
+        # a backbone stage of a dozen small blocks; lists of images and target dicts in, its own losses out
+        "tv.ssdlite320_mobilenet_v3_large": (lambda: tvd.ssdlite320_mobilenet_v3_large(
+            weights=None, weights_backbone=None, num_classes=5), lambda: _detection(2, 320), _det_loss,
+            "2x3x320x320, 3 boxes each"),
         "timm.resnet18d": (tm("resnet18d"), lambda: _images(8, 160, 1000), _cls_loss, "8x3x160x160"),
         "timm.efficientnet_lite0": (tm("efficientnet_lite0"), lambda: _images(8, 160, 1000), _cls_loss, "8x3x160x160"),
         "timm.vit_tiny_patch16_224": (tm("vit_tiny_patch16_224", drop_path_rate=0.1), lambda: _images(8, 224, 1000),
