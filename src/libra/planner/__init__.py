@@ -672,8 +672,9 @@ def plan(
             f"{format_bytes(static)} were live before the step began (parameters, gradients, optimizer state, "
             f"inputs). At that peak: {at_peak}. Biggest tensors live then:\n  " + "\n  ".join(lines) + "\n"
             + left_out + (f"It includes up to {format_bytes(planning.reserve_bytes)} reserved for "
-                          f"{', '.join(planning.unprofiled)}, which the profiled step skipped (layer drop) and later "
-                          "steps may run.\n" if planning.reserve_bytes else "") + fix,
+                          f"{', '.join(planning.unprofiled)}, which the profiled step skipped (layer drop, or a "
+                          "branch its inputs did not take) and later steps may run.\n"
+                          if planning.reserve_bytes else "") + fix,
             budget_bytes=budget_bytes,
             min_budget_bytes=minimum,
         )
@@ -691,8 +692,9 @@ def plan(
         format_bytes(budget_bytes),
     )
     if planning.reserve_bytes:
-        log.info("reserved up to %s of the budget for %s, which the profiled step skipped (layer drop): a step that "
-                 "runs them recomputes them whole and holds their inputs", format_bytes(planning.reserve_bytes),
+        log.info("reserved up to %s of the budget for %s, which the profiled step skipped (layer drop, or a branch "
+                 "its inputs did not take: Longformer's global attention): a step that runs them recomputes them "
+                 "whole and holds their inputs", format_bytes(planning.reserve_bytes),
                  ", ".join(planning.unprofiled))
     if out.refused:
         log.info("left out of the plan: %s", "; ".join(

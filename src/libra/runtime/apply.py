@@ -88,8 +88,8 @@ class _RegionForward:
             # NOTE [Unprofiled siblings]
             self.session.note_once(
                 ("unprofiled", self.fqn),
-                "libra: %r ran, which the profiled step did not call (layer drop?); recomputing it whole (plain "
-                "checkpoint), %s.", self.fqn, why, level=logging.INFO,
+                "libra: %r ran, which the profiled step did not call (layer drop, or another branch?); recomputing it "
+                "whole (plain checkpoint), %s.", self.fqn, why, level=logging.INFO,
             )
             return self._plain(args, kwargs)
         shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
