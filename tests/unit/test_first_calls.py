@@ -77,9 +77,10 @@ def test_a_first_step_profile_times_convolutions_like_a_later_one(kind):
     # Without the untimed first calls the first profile of a process timed the test ResNet's convolutions 2.3x a
     # later profile's on this 2-core machine (oneDNN creates each primitive on first use; a fake profile's timed
     # step is the first real one too: its eager step 1.8x); with them, 0.9-1.1x. Timing on a shared machine spikes
-    # at random, so the process runs up to three times; one run within 1.6x passes.
+    # at random (a full suite on this machine once saw 1.7-2.1x in three runs in a row, 0.9-1.1x alone after), so
+    # the process runs up to five times; one run within 1.6x passes.
     ratios = []
-    for _ in range(3):
+    for _ in range(5):
         out = subprocess.run([sys.executable, "-c", _FIRST_STEP, kind], capture_output=True, text=True, check=True)
         ratios.append(float(out.stdout.split()[-1]))
         if ratios[-1] < 1.6:
