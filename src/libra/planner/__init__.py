@@ -9,7 +9,8 @@ import numpy as np
 
 from libra.errors import BudgetInfeasibleError, LibraError
 from libra.planner.problem import Problem
-from libra.planner.regions import GRANULARITIES, analyse, unprofiled_reserve, unprofiled_siblings
+from libra.planner.regions import (GRANULARITIES, analyse, innermost_calls, unprofiled_reserve,
+                                   unprofiled_siblings)
 from libra.planner.simulate import EARLY, PLAIN, SimResult, Simulator, State, is_hooked, kept_split, spans_delta
 from libra.planner.solvers import front, greedy, milp, options
 from libra.planner.types import PLAN_SCHEMA_VERSION, Decision, Plan, RegionPlan
@@ -349,11 +350,7 @@ class Planning:
     def _op_keys(self) -> list[str]:
         """A readable, stable key per op: ``"blocks.3.attn:aten.mm.default#2"`` (``[k]`` marks a module's k-th call)."""
         ops = self.profile.ops
-        owner = [-1] * len(ops)
-        for ci in sorted(range(len(self.profile.module_calls)), key=lambda i: self.profile.module_calls[i].depth):
-            c = self.profile.module_calls[ci]
-            for i in range(c.start_op, c.end_op):
-                owner[i] = ci
+        owner = innermost_calls(self.profile)
         counts: dict[tuple[int, str], int] = {}
         keys = []
         for i, o in enumerate(ops):

@@ -12,8 +12,8 @@ is one way to run the unit's calls:
   greedy alone on eager's curve evicts them in (most bytes freed at the peak per second first: which candidates
   free bytes at the peak depends on when it falls in the unit's replay, which no order of the unit's own figures
   knows); with more than ``PREFIXES`` candidates, ``PREFIXES`` lengths of each, evenly spread (NOTE [Many
-  candidates] in ``regions.py``). Where offloading is allowed, each eviction set comes twice more: offloading what may be offloaded and
-  recomputing the rest, and (when recompute is not allowed) offloading alone.
+  candidates] in ``regions.py``). Where offloading is allowed, each eviction set comes twice more: offloading what
+  may be offloaded and recomputing the rest, and (when recompute is not allowed) offloading alone.
 - ``Mode.PLAIN``: plain ``torch.utils.checkpoint`` (NOTE [Plain regions] in ``simulate.py``), where allowed.
 - ``Mode.HOOKED``: saved-tensor hooks that offload what the call saves (NOTE [Hooked regions]), where allowed.
 - Every option that offloads comes twice where the unit has a prefetch trigger: its copies back at its own first

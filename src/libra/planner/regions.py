@@ -85,6 +85,17 @@ def _held_outside_until(profile: Profile, s: int, packs: list[int], inside: set[
     return max(ends)
 
 
+def innermost_calls(profile: Profile) -> list[int]:
+    """For each op, the index of the innermost module call it ran in (-1: none)."""
+    calls = profile.module_calls
+    n = len(profile.ops)
+    owner = [-1] * n
+    for ci in sorted(range(len(calls)), key=lambda i: calls[i].depth):
+        a, b = calls[ci].start_op, min(calls[ci].end_op, n)
+        owner[a:b] = [ci] * max(b - a, 0)
+    return owner
+
+
 def _children(profile: Profile) -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
     for i, c in enumerate(profile.module_calls):
@@ -123,18 +134,15 @@ def _select_calls(profile: Profile, fwd_ops: int, granularity: str = "fine") -> 
       run, a wrapper of the whole model), so blocks stay whole, as per-block checkpointing wraps them.
 
     In both, a call larger than a quarter of the forward stays whole where its own ops, not its children's, make
-    most of the saved bytes made inside it: a state-space model's scan, a Python loop over time steps around a few linear
-    layers (split, what its loop saves would be in no region, and the planner could lower nothing of it). A call
-    whose forward runs a collective is split whenever it has children.
+    most of the saved bytes made inside it: a state-space model's scan, a Python loop over time steps around a few
+    linear layers (split, what its loop saves would be in no region, and the planner could lower nothing of it). A
+    call whose forward runs a collective is split whenever it has children.
     """
     calls = profile.module_calls
     kids = _children(profile)
     chosen: list[int] = []
     # call -> bytes of the saved activations its own ops make (not its children's): what it alone could recompute
-    innermost = [-1] * fwd_ops
-    for ci in sorted(range(len(calls)), key=lambda i: calls[i].depth):
-        c = calls[ci]
-        innermost[c.start_op:min(c.end_op, fwd_ops)] = [ci] * max(min(c.end_op, fwd_ops) - c.start_op, 0)
+    innermost = innermost_calls(profile)
     own_bytes: dict[int, int] = {}
     for sid in {p.storage for p in profile.packs}:
         rec = profile.storages[sid]

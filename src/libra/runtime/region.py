@@ -113,7 +113,25 @@ def _containers(x):
     return x
 
 
-def hand_arguments(run, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+class _Arguments:
+    """A checkpointed call's arguments as they were when it began, and the caller's own for its forward (NOTE
+    [Arguments as they were]), for the runs checkpoint calls once for the forward and once per replay."""
+
+    arguments: tuple = ((), {})
+    caller: tuple | None = None
+
+    def arguments_for(self, first: bool, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments the forward (``first``) or a replay runs with, from those checkpoint passes."""
+        if not first:
+            return _containers(self.arguments)
+        if self.caller is None:  # handed to checkpoint as they are: the replays still get them as they were
+            self.arguments = _containers((args, kwargs))
+            return args, kwargs
+        (args, kwargs), self.caller = self.caller, None
+        return args, kwargs
+
+
+def hand_arguments(run: _Arguments, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """What checkpoint is handed for ``run``'s call (NOTE [Arguments as they were]): a copy of the call's containers;
     ``run``'s forward gets the caller's own, once."""
     run.caller = (args, kwargs)
@@ -260,7 +278,7 @@ class TriggerRun:
         """Nothing to bring back: it offloads nothing."""
 
 
-class PlainRun:
+class PlainRun(_Arguments):
     """One call of a plain region (NOTE [Plain regions] in planner/simulate.py): the function plain checkpoint runs,
     once for the forward and once per replay. Its replay starts its backward, which may bring a later call's
     offloaded outputs back (NOTE [Prefetch]), as the simulator assumes.
@@ -276,9 +294,6 @@ class PlainRun:
         self.forward = forward
         self.on_backward = None
         self.calls = 0
-        # the call's arguments as they were, and the caller's own for the forward (NOTE [Arguments as they were])
-        self.arguments: tuple = ((), {})
-        self.caller: tuple | None = None
         self.buffer_keys = buffer_keys or set()
         self.protect = region.protect if region is not None else {}
         self.ops = region.ops if region is not None else []
@@ -292,17 +307,12 @@ class PlainRun:
 
     def run(self, *args, **kwargs):
         self.calls += 1
-        if self.calls == 1:
-            if self.caller is not None:  # NOTE [Arguments as they were]
-                (args, kwargs), self.caller = self.caller, None
-            else:  # handed to checkpoint as they are: the replays still get them as they were
-                self.arguments = _containers((args, kwargs))
-        else:
+        args, kwargs = self.arguments_for(self.calls == 1, args, kwargs)
+        if self.calls > 1:
             self.index = 0
             self.following = bool(self.ops)
             if self.on_backward is not None:
                 self.on_backward()
-            args, kwargs = _containers(self.arguments)
         return self.forward(*args, **kwargs)
 
     def prefetch(self) -> None:
@@ -435,7 +445,7 @@ class HookRun:
                 copy.prefetch(self.offload_ctx.stream)
 
 
-class RegionRun:
+class RegionRun(_Arguments):
     """State of one checkpointed call of one module: the cache shared by its forward and its replays."""
 
     def __init__(self, region: RegionPlan, forward, offload: "OffloadContext | None" = None, note=None,
@@ -466,9 +476,6 @@ class RegionRun:
         self.replay_storages: set[int] = set()  # storages the current replay made or got from the cache
         self.replay_index = 0
         self.calls = 0
-        # the call's arguments as they were, and the caller's own for the forward (NOTE [Arguments as they were])
-        self.arguments: tuple = ((), {})
-        self.caller: tuple | None = None
         self.input_versions: list[tuple[torch.Tensor, int]] = []
         self.on_backward = None  # OffloadContext.register's: called when the replay starts (NOTE [Prefetch])
 
@@ -478,14 +485,10 @@ class RegionRun:
     def run(self, *args, **kwargs):
         """The function checkpoint calls: once for the forward, once per replay."""
         self.calls += 1
+        args, kwargs = self.arguments_for(self.calls == 1, args, kwargs)
         if self.calls == 1:
-            if self.caller is not None:  # NOTE [Arguments as they were]
-                (args, kwargs), self.caller = self.caller, None
-            else:  # handed to checkpoint as they are: the replays still get them as they were
-                self.arguments = _containers((args, kwargs))
             self.input_versions = [(t, t._version) for t in call_tensors(args, kwargs)]
         else:
-            args, kwargs = _containers(self.arguments)
             self.replay_index = 0
             self.replay_storages = set()
             if self.on_backward is not None:
