@@ -260,6 +260,7 @@ class Simulator:
         self._sharing: dict[frozenset[int], tuple[dict, set[int]]] = {}
         self._recent: dict[tuple, tuple[np.ndarray, float]] = {}
         self._unit_times: dict[tuple[int, frozenset[int]], tuple] = {}
+        self._hooked_times: dict[frozenset, tuple[int, int, int]] = {}
         self._records: dict[tuple[int, frozenset[int]], _UnitRecord] = {}
         self._replays: dict[tuple, tuple[tuple | None, int]] = {}  # _replay's, per call and kept set
         # What holds each storage whatever the plan, for _plan's per-storage loop: its allocation, Python's last use
@@ -337,16 +338,9 @@ class Simulator:
         active = {(ui, ii) for ui in state for ii in range(len(self.units[ui].instances))}
         holders: dict[int, int] = {}  # storage -> the latest end of the holders the plan adds (_hold)
         touched: dict[int, None] = {}
-        shared, offload_inputs = self.hook_sharing(state)
-        for s, owners in shared.items():  # NOTE [Shared hooked storages]: one copy for all its calls
-            t_r = min(self.units[ui].instances[ii].t_r for ui, ii in owners)  # the first of them in backward
-            start, t_r, end = self._copy_span(s, self.packs_of[s], t_r)
-            prefetch = min(self.prefetch_at(ui, ii, state[ui]) for ui, ii in owners)  # the first to come back
-            self._offload_span(s, start, t_r, end, prefetch, touched, holders, extra_copies, exposed, lane)
+        self._hooked_part(state, touched, holders, extra_copies, base, exposed, lane)
         for ui, cached in state.items():
             if is_hooked(cached):
-                self._hooked(ui, cached, touched, holders, extra_copies, base, exposed, lane, shared,
-                             offload_inputs)
                 continue
             rec = self._unit_record(ui, cached)
             touched.update(rec.touched)
@@ -585,6 +579,32 @@ class Simulator:
         exposed.add(max(0.0, seconds - (self._op_time[t_r] - self._op_time[prefetch])))
         lane.add(2 * seconds)
 
+    def _hooked_part(self, state: State, touched: dict, holders: dict, extra_copies: list, base: "_ExactSum",
+                     exposed: "_ExactSum", lane: "_ExactSum") -> None:
+        """The hooked calls' changes to the timeline and their seconds, added in place: they depend on which calls
+        are hooked (their shared copies, NOTE [Shared hooked storages]), nothing else in the plan."""
+        shared, offload_inputs = self.hook_sharing(state)
+        for s, owners in shared.items():  # NOTE [Shared hooked storages]: one copy for all its calls
+            t_r = min(self.units[ui].instances[ii].t_r for ui, ii in owners)  # the first of them in backward
+            start, t_r, end = self._copy_span(s, self.packs_of[s], t_r)
+            prefetch = min(self.prefetch_at(ui, ii, state[ui]) for ui, ii in owners)  # the first to come back
+            self._offload_span(s, start, t_r, end, prefetch, touched, holders, extra_copies, exposed, lane)
+        for ui, cached in state.items():
+            if is_hooked(cached):
+                self._hooked(ui, cached, touched, holders, extra_copies, base, exposed, lane, shared,
+                             offload_inputs)
+
+    def _hooked_time(self, hooked: State) -> tuple[int, int, int]:
+        """The hooked calls' ``(base, lane, exposed)`` seconds as :class:`_ExactSum` totals, remembered per set of
+        hooked calls (with their entries)."""
+        key = frozenset(hooked.items())
+        got = self._hooked_times.get(key)
+        if got is None:
+            base, exposed, lane = _ExactSum(), _ExactSum(), _ExactSum()
+            self._hooked_part(hooked, {}, {}, [], base, exposed, lane)
+            got = self._hooked_times[key] = (base.total, lane.total, exposed.total)
+        return got
+
     def _hooked(self, ui: int, cached: frozenset[int], touched: dict, holders: dict, extra_copies: list,
                 base: "_ExactSum", exposed: "_ExactSum", lane: "_ExactSum", shared: dict,
                 offload_inputs: set[int]) -> None:
@@ -719,8 +739,6 @@ class Simulator:
 
     def _unit_time_of(self, ui: int, cached: frozenset[int]):
         unit = self.units[ui]
-        if is_hooked(cached):  # its copies depend on the other hooked calls (NOTE [Shared hooked storages])
-            raise ValueError("TimeModel follows regions only: chains start from the greedy's plans, never hooked")
         plain, offloaded, saved, per_op, per_call = self._entry(ui, cached)
         in_cache = saved - offloaded
         base = _ExactSum()
@@ -854,30 +872,40 @@ class Simulator:
 class TimeModel:
     """The simulator's added seconds of a state that changes one unit at a time, kept up to date in time linear in
     the size of the changed unit: always equal, to the last bit, to ``Simulator.run(state).added_seconds`` (both sum
-    the same terms exactly, :class:`_ExactSum`, and each unit's terms do not depend on the others: NOTE
-    [Prefetch])."""
+    the same terms exactly, :class:`_ExactSum`, and each region unit's terms do not depend on the others: NOTE
+    [Prefetch]; the hooked calls' terms depend on which calls are hooked, and are summed for them together,
+    remembered per set)."""
 
     def __init__(self, sim: Simulator, state: State | None = None) -> None:
         self.sim = sim
         self.state: State = {}
         self._terms: dict[int, tuple[int, int, int]] = {}
+        self._hooked: State = {}
         self._base = self._lane = self._exposed = 0
         for ui, cached in (state or {}).items():
             self.set(ui, cached)
 
     def seconds(self) -> float:
         scale = 1 << _ExactSum._SHIFT
-        return float(self.sim.added_seconds((self._base / scale, self._exposed / scale, self._lane / scale)))
+        base, lane, exposed = self._base, self._lane, self._exposed
+        if self._hooked:
+            b, la, e = self.sim._hooked_time(self._hooked)
+            base, lane, exposed = base + b, lane + la, exposed + e
+        return float(self.sim.added_seconds((base / scale, exposed / scale, lane / scale)))
 
     def set(self, ui: int, cached: frozenset[int] | None) -> None:
         """Unit ``ui`` now keeps ``cached`` (None: it is not checkpointed)."""
         old = self._terms.pop(ui, None)
+        self._hooked.pop(ui, None)
+        self.state.pop(ui, None)
         if old is not None:
-            del self.state[ui]
             self._base -= old[0]
             self._lane -= old[1]
             self._exposed -= old[2]
-        if cached is not None:
+        if cached is not None and is_hooked(cached):
+            # its copies depend on the other hooked calls (NOTE [Shared hooked storages]): summed with them
+            self.state[ui] = self._hooked[ui] = cached
+        elif cached is not None:
             self.state[ui] = cached
             terms = self._terms[ui] = self.sim._unit_time(ui, cached)
             self._base += terms[0]
