@@ -1,4 +1,4 @@
-"""The default solver against its two families and the exact option MILP (issue 18).
+"""The default solver against its option family alone and the exact option MILP (issue 18).
 
     .venv/bin/python -m bench.planner_family [--models gpt,resnet,unet,mixer] [--fresh | --profiles a.json ...]
                                              [--no-milp] [--out bench/results/option-family-<date>.json]
@@ -9,9 +9,8 @@ times as measured and with steady times (each op 10 us plus 10 us per MiB it wri
 plan's cost does not depend on machine load), without offload and with a 2 GB/s host link: the predicted step time,
 as a ratio to eager's, at 90/75/50/30% of eager's activation memory and at the named minimum, of
 
-- ``front``: the move-level front alone (``Greedy.solve``, NOTE [Monotone in the budget] in solvers/front.py),
-- ``family``: the option family alone (NOTE [Option family] in solvers/options.py),
-- ``default``: what ``libra.plan`` picks (the cheaper of both, or the lowest-peak plan),
+- ``family``: the option family and its chains alone (NOTE [Option family] in solvers/options.py),
+- ``default``: what ``libra.plan`` picks (the family's plan, or the lowest-peak plan),
 - ``milp``: the exact option program (NOTE [Exact up to interactions] in solvers/milp.py),
 
 all checked by the simulator against the same target, and the seconds the default took to plan the five budgets
@@ -79,8 +78,7 @@ def compare(profile: libra.Profile, bandwidth: float | None, exact: bool) -> dic
     for share, budget in budgets.items():
         target = planning.target_bytes(budget)
         got = {
-            "front": _best(planning, target, lambda sel: sel.greedy.solve(target)),
-            "family": _best(planning, target, lambda sel: sel.family.solve(target) if sel.family else None),
+            "family": _best(planning, target, lambda sel: sel.family.solve(target)),
             "default": _best(planning, target, lambda sel: planning._solve_in(sel, budget, target, "greedy", 60.0)),
         }
         if exact:
@@ -116,7 +114,7 @@ def main(argv=None) -> int:
                 print(f"{name:>8} {times:>8} bw={bw or '-':>6}  {cells}  ({row['plan_seconds_5_budgets']:.2f} s)",
                       flush=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"columns: front/family/default{'/milp' if not args.no_milp else ''}; wrote {args.out}")
+    print(f"columns: family/default{'/milp' if not args.no_milp else ''}; wrote {args.out}")
     return 0
 
 

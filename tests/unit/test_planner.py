@@ -41,8 +41,8 @@ def test_simulator_reproduces_eager_peak(case, planning):
 @pytest.mark.parametrize("share", [0.9, 0.75, 0.5, "min"])
 def test_default_solver_within_1_percent_of_milp(case, share, bandwidth):
     # The exact solver starts from nothing the default found (NOTE [Exact up to interactions] in solvers/milp.py)
-    # and its options include plain and hooked calls: the default's plan may be faster (the front's keep-sets are
-    # not limited to the options' orderings) but never more than 1% slower. Known misses this caught: ResNet at 75%
+    # and picks from the same options: the default's plan may be faster (where the units interact, the simulator
+    # is the judge, not the program's sum) but never more than 1% slower. Known misses this caught: ResNet at 75%
     # (three half-used bottleneck blocks where two whole ones fit, 1.33x: NOTE [Option family]), GPT and MLP
     # at 75% (three plain blocks where two fit, 1.5x: NOTE [Option family] in solvers/options.py); with offload,
     # hooked blocks each cheap alone that together kept the host link busier than the step (NOTE [Prefetch]);
@@ -92,7 +92,7 @@ def test_plan_is_deterministic(case):
 
 @pytest.mark.parametrize("bandwidth", [None, 2e9])
 def test_a_larger_budget_is_never_slower(case, bandwidth):
-    # NOTE [Monotone in the budget] (solvers/front.py), on real profiles, with offloading and without (steady op
+    # NOTE [Monotone in the budget] (solvers/options.py), on real profiles, with offloading and without (steady op
     # times: a failure must reproduce)
     planning = Planning(_steady_times(case.profile), host_bandwidth=bandwidth)
     lo, hi = planning.min_budget_bytes(), case.profile.eager_peak_bytes
@@ -118,7 +118,8 @@ def test_no_unit_of_the_minimum_plan_has_a_cheaper_option_at_its_peak(case, band
     state, got = planning._lowest_of(sel)
     problem = sel.problem
     if problem.choice_of(state) is None:
-        pytest.skip("the minimum plan has an entry outside the options (a front keep-set): no trim applies")
+        pytest.skip("the minimum plan has an entry outside the options (a hooked or offloading lowest state): no "
+                    "trim applies")
     cheaper = []
     for ui in state:
         for o in [None, *problem.of_unit[ui]]:

@@ -10,10 +10,9 @@ from hypothesis import strategies as st
 
 import libra
 from libra.planner import Planning
-from libra.planner.simulate import TimeModel
+from libra.planner.simulate import EARLY, HOOKED, PLAIN, TimeModel
 from libra.planner.solvers.effects import PeakTree
 from libra.planner.solvers import milp
-from libra.planner.solvers.greedy import state_for
 from libra.testing.synthetic import chain_profile
 
 profiles = st.builds(
@@ -117,7 +116,7 @@ bandwidths = st.sampled_from([None, None, 2e9, 2e10])  # offloading is planned o
 @settings(max_examples=40, deadline=None)
 @given(prof=profiles, bandwidth=bandwidths, x=st.floats(0.0, 1.05), y=st.floats(0.0, 1.05))
 def test_a_larger_budget_is_never_slower(prof, bandwidth, x, y):
-    # NOTE [Monotone in the budget] (solvers/front.py)
+    # NOTE [Monotone in the budget] (solvers/options.py)
     planning = Planning(prof, host_bandwidth=bandwidth)
     b1, b2 = sorted((_budget(planning, x), _budget(planning, y)))
     p1, p2 = libra.plan(planning, b1), libra.plan(planning, b2)
@@ -140,30 +139,33 @@ def test_a_larger_budget_is_never_slower_with_the_milp(prof, x, y):
 @settings(max_examples=25, deadline=None)
 @given(prof=profiles, bandwidth=bandwidths, seed=st.integers(0, 2**16))
 def test_time_model_and_effects_agree_with_the_simulator(prof, bandwidth, seed):
-    # The chains rank candidates by TimeModel: it must equal the simulator to the last bit. One decision's sparse
+    # The chains rank candidates by TimeModel: it must equal the simulator to the last bit. One option's sparse
     # effect must reproduce the simulated curve exactly, and the peak tree must track the summed effects.
     planning = Planning(prof, host_bandwidth=bandwidth)
-    sim, fx = planning.sim, planning.effects
+    sim = planning.sim
     rng = random.Random(seed)
     tm = TimeModel(sim)
-    for _ in range(20):
+    for _ in range(30):
         ui = rng.randrange(len(sim.units))
         unit = sim.units[ui]
         kept = [j if rng.random() < 0.5 or j not in unit.offloadable or bandwidth is None else ~j
                 for j in unit.candidates if rng.random() < 0.6]
-        tm.set(ui, None if rng.random() < 0.2 else frozenset(kept))
+        entry = None if rng.random() < 0.2 else frozenset(kept)
+        if bandwidth is not None and sim.hook_ok(ui) and rng.random() < 0.3:
+            entry = HOOKED | (frozenset({EARLY}) if rng.random() < 0.5 else frozenset())  # summed with the others
+        elif unit.plain_ok and sim.plain_costs is not None and rng.random() < 0.2:
+            entry = PLAIN
+        tm.set(ui, entry)
         assert tm.seconds() == sim.run(tm.state).added_seconds
-    for m in rng.sample(range(len(fx.moves)), min(10, len(fx.moves))):
-        assert np.array_equal(sim.live(state_for(sim, [fx.moves[m]]))[0], fx.curve_of([m]))
-    chosen = list({int(fx.move_cand[m]): m for m in rng.sample(range(len(fx.moves)), len(fx.moves) // 2)}.values())
-    tree = PeakTree(fx.eager)
-    on = set()
-    for m in chosen:
-        tree.add_points(*fx.move_points(m))
-        if int(fx.move_unit[m]) not in on:
-            on.add(int(fx.move_unit[m]))
-            tree.add_points(*fx.unit_points(int(fx.move_unit[m])))
-    curve = fx.curve_of(chosen)
+    pr = planning.selections[0].problem
+    for o in rng.sample(range(len(pr.options)), min(10, len(pr.options))):
+        choice = {int(pr.unit_of[o]): o}
+        assert np.array_equal(sim.live(pr.state(choice))[0], pr.estimate(choice))
+    choice = {ui: rng.choice(pr.of_unit[ui]) for ui in range(pr.n_units) if pr.of_unit[ui] and rng.random() < 0.5}
+    tree = PeakTree(pr.eager)
+    for o in choice.values():
+        tree.add_points(*pr.points(o, clipped=True))
+    curve = pr.estimate(choice)
     assert np.array_equal(tree.curve(), curve)
     assert tree.peak() == (int(curve.max()), int(np.argmax(curve)))
     a = rng.randrange(len(curve))
@@ -172,12 +174,11 @@ def test_time_model_and_effects_agree_with_the_simulator(prof, bandwidth, seed):
 
 
 def test_lowest_state_simulates_a_handful_of_times():
-    """The lowest state drops units whose checkpointing does not lower the peak: screened on the sparse effects,
-    checked by a few simulations, not one per unit (that made ``min_budget_bytes`` quadratic: 23 s on a 10k-storage
-    chain). Its peak is never above every candidate evicted."""
+    """The lowest state drops units whose checkpointing does not lower the peak: screened on each unit's sparse
+    effect, checked by a few simulations, not one per unit (that made ``min_budget_bytes`` quadratic: 23 s on a
+    10k-storage chain). Its peak is never above every candidate evicted."""
     prof = chain_profile(300, 5, seed=0)
     sel = Planning(prof).selections[0]
-    sel.effects  # measured per unit, once: not the part under test
     calls = []
     live = sel.sim.live
     sel.sim.live = lambda state: calls.append(1) or live(state)

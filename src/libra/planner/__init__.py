@@ -8,11 +8,13 @@ import time
 import numpy as np
 
 from libra.errors import BudgetInfeasibleError, LibraError
-from libra.planner.problem import Problem
+from libra.planner.problem import LARGE, Problem
 from libra.planner.regions import (GRANULARITIES, analyse, innermost_calls, unprofiled_reserve,
                                    unprofiled_siblings)
 from libra.planner.simulate import EARLY, PLAIN, SimResult, Simulator, State, is_hooked, kept_split, spans_delta
-from libra.planner.solvers import front, greedy, milp, options
+from libra.planner.solvers import milp, options
+from libra.planner.solvers.effects import OFFLOAD, RECOMPUTE
+from libra.planner.solvers.lowest import full_state, hook_lowest, without_idle_units
 from libra.planner.types import PLAN_SCHEMA_VERSION, Decision, Plan, RegionPlan
 from libra.profiler.types import Profile
 from libra.units import format_bytes, parse_bytes
@@ -49,8 +51,6 @@ SAFETY_MARGIN = 0.01
 # a plan that checkpoints nothing (a budget above eager's peak with the reserve), runs as it is, which no reserve
 # covers.
 
-FAMILY_MAX_UNITS = 128  # selections with more units plan with the front alone (NOTE [Option family])
-
 _CHEAPEST_ROUNDS = 8  # trims of the lowest-peak plan at its own peak, while they gain (Selection._cheapest_at)
 
 
@@ -72,7 +72,7 @@ def _host_bandwidth(profile: Profile, host_bandwidth: float | None) -> float | N
 
 class Selection:
     """One choice of regions over a profile (NOTE [Region granularity] in ``regions.py``): its decision units, their
-    simulator, and the solvers' measured effects, built when first asked for."""
+    simulator, and its options and family of plans, built when first asked for."""
 
     def __init__(self, profile: Profile, granularity: str, host_bandwidth: float | None, kinds: tuple,
                  reserve: list[tuple[int, int, int]] = ()) -> None:
@@ -80,8 +80,6 @@ class Selection:
         self.kinds = kinds
         self.units, self.rejected = analyse(profile, granularity)
         self.sim = Simulator(profile, self.units, host_bandwidth, reserve)
-        self._effects: greedy.Effects | None = None
-        self._greedy: greedy.Greedy | None = None
         self._problem: Problem | None = None
         self._family: options.Family | None = None
         self._full_state: State | None = None
@@ -96,7 +94,7 @@ class Selection:
     def full_state(self) -> State:
         """Every candidate of every unit evicted ({} when the planner may only keep)."""
         if self._full_state is None:
-            self._full_state = greedy.full_state(self.sim, self.kinds) if self.kinds else {}
+            self._full_state = full_state(self.sim, self.kinds) if self.kinds else {}
         return self._full_state
 
     @property
@@ -108,7 +106,7 @@ class Selection:
         """The full state less every unit whose checkpointing does not lower its peak (the last block in forward,
         replayed as soon as backward starts, typically): the lowest peak, for less time."""
         if self._lowest_state is None:
-            state = greedy.without_idle_units(self.sim, self.effects, self.full_state) if self.full_state else {}
+            state = without_idle_units(self.sim, self.full_state) if self.full_state else {}
             self._lowest_state = state
         return self._lowest_state
 
@@ -126,15 +124,15 @@ class Selection:
         option family's lowest member is lower and :meth:`Planning._lowest_of` takes it."""
         if self._minimum is None:
             starts = [self.lowest_state]
-            if greedy.OFFLOAD in self.kinds and len(self.kinds) > 1:
+            if OFFLOAD in self.kinds and len(self.kinds) > 1:
                 # offloading alone can end lower once calls are hooked, though recompute's full state starts lower
-                alone = greedy.full_state(self.sim, (greedy.OFFLOAD,))
-                starts.append(greedy.without_idle_units(self.sim, self.effects, alone) if alone else {})
+                alone = full_state(self.sim, (OFFLOAD,))
+                starts.append(without_idle_units(self.sim, alone) if alone else {})
             best = None
             for state in starts:
                 got = self.sim.run(state)
-                if greedy.OFFLOAD in self.kinds:
-                    state, got = front.hook_lowest(self.sim, state)
+                if OFFLOAD in self.kinds:
+                    state, got = hook_lowest(self.sim, state)
                 if best is None or (got.peak_bytes, got.added_seconds) < (best[1].peak_bytes, best[1].added_seconds):
                     best = (state, got)
             self._minimum = self._cheapest_at(*best)
@@ -143,8 +141,8 @@ class Selection:
     def _cheapest_at(self, state: State, got: SimResult) -> tuple[State, SimResult]:
         """``state`` with each unit moved to its cheapest option that keeps the simulated peak at ``got``'s (the
         option family's trim, repeated while it gains); ``state`` itself where one of its entries is no option, and
-        in selections too large for the option family, whose options are not measured."""
-        if len(self.units) > FAMILY_MAX_UNITS:
+        in large selections, where a trim's dense spans cost too much (``problem.LARGE``)."""
+        if len(self.units) > LARGE:
             return state, got
         problem = self.problem
         for _ in range(_CHEAPEST_ROUNDS):
@@ -160,24 +158,11 @@ class Selection:
         return state, got
 
     @property
-    def effects(self) -> greedy.Effects:
-        if self._effects is None:
-            self._effects = greedy.Effects(self.sim, self.kinds)
-        return self._effects
-
-    @property
-    def greedy(self) -> greedy.Greedy:
-        """The move-level greedy over :attr:`effects` (NOTE [Monotone in the budget] in ``solvers/front.py``)."""
-        if self._greedy is None:
-            self._greedy = greedy.Greedy(self.sim, self.effects)
-        return self._greedy
-
-    @property
-    def family(self) -> options.Family | None:
-        """The option family (NOTE [Option family] in ``solvers/options.py``); None for selections of more than
-        ``FAMILY_MAX_UNITS`` units, where its growth path (quadratic in the units) would dominate planning."""
-        if self._family is None and len(self.units) <= FAMILY_MAX_UNITS:
-            self._family = options.Family(self.problem)
+    def family(self) -> options.Family:
+        """The option family and its chains (NOTE [Option family] in ``solvers/options.py``)."""
+        if self._family is None:
+            self._family = options.Family(self.problem,
+                                          self.minimum[1].peak_bytes if len(self.units) > LARGE else None)
         return self._family
 
     @property
@@ -189,11 +174,11 @@ class Selection:
 
 
 class Planning:
-    """The analysis of one profile, reused across budgets: regions, simulator, solver effects.
+    """The analysis of one profile, reused across budgets: regions, simulator, options and families of plans.
 
     The profile is analysed with each region granularity (NOTE [Region granularity]); ``selections`` holds the
-    distinct ones, finest first, and :func:`plan` takes the faster plan among them. ``units``, ``sim``,
-    ``effects`` and ``full_state`` are the finest selection's.
+    distinct ones, finest first, and :func:`plan` takes the faster plan among them. ``units``, ``sim``
+    and ``full_state`` are the finest selection's.
 
     Args:
         profile: from :func:`libra.profile`.
@@ -222,9 +207,9 @@ class Planning:
         self.profile = profile
         self.decisions = chosen
         self.host_bandwidth = _host_bandwidth(profile, host_bandwidth)
-        kinds = [k for k in (greedy.RECOMPUTE, greedy.OFFLOAD) if k in chosen]
-        if greedy.OFFLOAD in kinds and self.host_bandwidth is None:
-            kinds.remove(greedy.OFFLOAD)
+        kinds = [k for k in (RECOMPUTE, OFFLOAD) if k in chosen]
+        if OFFLOAD in kinds and self.host_bandwidth is None:
+            kinds.remove(OFFLOAD)
         if not kinds and "keep" not in chosen:
             raise LibraError(
                 f"libra.plan: decisions={{'offload'}} needs a host link's bandwidth, and the profile has none measured "
@@ -255,10 +240,6 @@ class Planning:
     def full(self) -> SimResult:
         return self.selections[0].full
 
-    @property
-    def effects(self) -> greedy.Effects:
-        return self.selections[0].effects
-
     def matches(self, host_bandwidth, decisions, granularities=GRANULARITIES) -> bool:
         want = frozenset(decisions) if not isinstance(decisions, str) else frozenset({decisions})
         return (want == self.decisions and tuple(granularities) == self.granularities
@@ -275,7 +256,7 @@ class Planning:
         if "keep" not in self.decisions or not self.kinds:
             return sel.full_state, sel.full
         state, got = sel.minimum
-        if sel.family is not None and sel.family.members:
+        if sel.family.members:
             _, peak, member = min(sel.family.members, key=lambda m: (m[1], m[0]))
             if peak < got.peak_bytes:
                 state, got = member, sel.sim.run(member)
@@ -337,12 +318,11 @@ class Planning:
                 state = sel.minimum[0]
             return state
         # each candidate is the cheapest fitting plan of a budget-independent family, so the cheapest of them is too
-        # (NOTE [Monotone in the budget]): the front's, the option family's (NOTE [Option family]), and the lowest
-        # state (the solvers search from every candidate evicted: below that peak only it fits)
+        # (NOTE [Monotone in the budget] in solvers/options.py): the option family's, with its chains (NOTE [Option
+        # family]), and the lowest state (the growth starts from eager, the lowest plan from every candidate evicted:
+        # below the family's lowest peak only it may fit)
         low_state, low = sel.minimum
-        found = [sel.greedy.solve(target),
-                 sel.family.solve(target) if sel.family is not None else None,
-                 low_state if low.peak_bytes <= target else None]
+        found = [sel.family.solve(target), low_state if low.peak_bytes <= target else None]
         costs = [(sel.sim.run(s).added_seconds, i) for i, s in enumerate(found) if s is not None]
         return found[min(costs)[1]] if costs else None
 

@@ -8,11 +8,12 @@ is one way to run the unit's calls:
   candidates gets every set of candidates to evict; a larger one gets the prefixes and the suffixes of a few
   orderings of its candidates (most bytes per second of replay first, most bytes first, last in forward first), so
   its list grows linearly, not exponentially (a suffix keeps only the best few: the plans that keep one or two of
-  eight candidates, which the move-level greedy finds on measured op times), and the prefixes of the order a
-  greedy alone on eager's curve evicts them in (most bytes freed at the peak per second first: which candidates
-  free bytes at the peak depends on when it falls in the unit's replay, which no order of the unit's own figures
-  knows); with more than ``PREFIXES`` candidates, ``PREFIXES`` lengths of each, evenly spread (NOTE [Many
-  candidates] in ``regions.py``). Where offloading is allowed, each eviction set comes twice more: offloading what
+  eight candidates, which measured op times often favour), and, in a problem of at most ``LARGE`` units, the
+  prefixes of the order a greedy alone on eager's curve evicts them in (most bytes freed at the peak per second
+  first: which candidates free bytes at the peak depends on when it falls in the unit's replay, which no order of
+  the unit's own figures knows; each candidate's effect over the whole step is too dear for thousands of units);
+  with more than ``PREFIXES`` candidates, ``PREFIXES`` lengths of each, evenly spread (NOTE [Many candidates] in
+  ``regions.py``). Where offloading is allowed, each eviction set comes twice more: offloading what
   may be offloaded and recomputing the rest, and (when recompute is not allowed) offloading alone.
 - ``Mode.PLAIN``: plain ``torch.utils.checkpoint`` (NOTE [Plain regions] in ``simulate.py``), where allowed.
 - ``Mode.HOOKED``: saved-tensor hooks that offload what the call saves (NOTE [Hooked regions]), where allowed.
@@ -37,9 +38,10 @@ import numpy as np
 from libra.planner.simulate import EARLY, HOOKED, PLAIN, Simulator, State, is_hooked, kept_split
 from libra.planner.solvers.effects import OFFLOAD, RECOMPUTE
 
-__all__ = ["Mode", "Option", "Problem", "Choice", "EXHAUSTIVE_CANDIDATES"]
+__all__ = ["Mode", "Option", "Problem", "Choice", "EXHAUSTIVE_CANDIDATES", "LARGE"]
 
 EXHAUSTIVE_CANDIDATES = 6  # units with at most this many candidates get every eviction set (2**6 = 64)
+LARGE = 128  # a problem of more units is large: one ordering less per unit, a smaller family (NOTE [Option family])
 PREFIXES = 32  # prefixes (and suffixes) of each ordering a unit with more candidates gets, evenly spread
 
 
@@ -161,9 +163,10 @@ def _eviction_sets(sim: Simulator, ui: int, eager: np.ndarray) -> list[frozenset
         for i in lengths:
             out.setdefault(frozenset(order[:i]), None)  # evict the first i
             out.setdefault(frozenset(order[-i:]), None)  # keep only the first len - i
-    order = _at_the_peak(sim, ui, eager)  # its suffixes would keep what frees the most at the peak
-    for i in lengths:
-        out.setdefault(frozenset(order[:i]), None)
+    if len(sim.units) <= LARGE:  # each candidate's effect over the whole step: too dear for every unit of many
+        order = _at_the_peak(sim, ui, eager)  # its suffixes would keep what frees the most at the peak
+        for i in lengths:
+            out.setdefault(frozenset(order[:i]), None)
     return list(out)
 
 
@@ -226,6 +229,7 @@ class Problem:
         self.cost = np.array(cost, dtype=np.float64)  # each option's added seconds alone
         # and its (base, exposed, lane) terms, which add up over units (Simulator.added_seconds)
         self.terms = np.array(terms, dtype=np.float64).reshape(-1, 3)
+        self.term_tuples = [tuple(t) for t in self.terms.tolist()]  # the same, for loops over a few options
         self._owner, self.pos, self.val = _merged(owner, pos, val)
         self.ptr = np.searchsorted(self._owner, np.arange(len(self.options) + 1)).astype(np.int64)
         ptr = self.ptr.tolist()
@@ -234,6 +238,7 @@ class Problem:
         self._at: dict[int, np.ndarray] = {}
         self._of_unit: list[np.ndarray] | None = None
         self._index: dict[tuple[int, Option], int] | None = None  # (unit, option) -> option index, for choice_of
+        self._entries: dict[int, frozenset[int]] = {}
 
     def unit_options(self, ui: int) -> np.ndarray:
         """The indices of unit ``ui``'s options (``of_unit[ui]`` as an array)."""
@@ -244,6 +249,15 @@ class Problem:
     @property
     def n_units(self) -> int:
         return len(self.of_unit)
+
+    def points(self, o: int, clipped: bool = False) -> tuple[list[int], list[int]]:
+        """Option ``o``'s effect as a sparse difference array: the curve changes by ``val[i]`` from ``pos[i]`` on
+        (``clipped``: without the points past the curve's last op)."""
+        pos, val = self._points[o]
+        if clipped and pos and pos[-1] >= self.n_t:
+            keep = [i for i, p in enumerate(pos) if p < self.n_t]
+            return [pos[i] for i in keep], [val[i] for i in keep]
+        return pos, val
 
     def span(self, o: int) -> tuple[int, np.ndarray]:
         """Option ``o``'s effect where it is not zero, dense: ``(first op, bytes at each op from there)``."""
@@ -263,6 +277,8 @@ class Problem:
         """Every option's effect on the live bytes after op ``t`` (remembered: the solvers' peaks fall on few ops)."""
         got = self._at.get(t)
         if got is None:
+            if len(self._at) >= 64:  # a growth's peaks fall on few ops, but a long one passes many
+                self._at.clear()
             mask = self.pos <= t
             got = np.bincount(self._owner[mask], weights=self.val[mask], minlength=len(self.options)).astype(np.int64)
             got.flags.writeable = False
@@ -289,18 +305,28 @@ class Problem:
         np.add.at(out, (np.minimum(self.pos, self.n_t), self._owner), self.val)
         return np.cumsum(out, axis=0)[: self.n_t]
 
+    def entry(self, o: int) -> frozenset[int]:
+        """Option ``o``'s simulator state entry (remembered)."""
+        got = self._entries.get(o)
+        if got is None:
+            got = self._entries[o] = self.options[o].entry()
+        return got
+
     def state(self, choice: Choice) -> State:
         """The simulator's state of ``choice``."""
-        return {int(self.unit_of[o]): self.options[o].entry() for o in choice.values()}
+        return {ui: self.entry(o) for ui, o in choice.items()}
+
+    def index(self, ui: int, option: Option) -> int | None:
+        """The index of unit ``ui``'s ``option``, or None when it is not one of its options."""
+        if self._index is None:
+            self._index = {(int(self.unit_of[o]), opt): o for o, opt in enumerate(self.options)}
+        return self._index.get((ui, option))
 
     def choice_of(self, state: State) -> Choice | None:
         """The choice whose state is ``state``, or None when one of its entries is no option here."""
-        if self._index is None:
-            self._index = {(int(self.unit_of[o]), opt): o for o, opt in enumerate(self.options)}
-        index = self._index
         out = {}
         for ui, entry in state.items():
-            o = index.get((ui, Option.of_entry(entry)))
+            o = self.index(ui, Option.of_entry(entry))
             if o is None:
                 return None
             out[ui] = o

@@ -1,16 +1,26 @@
 """The default solver: a greedy over each unit's options (NOTE [Options per unit] in ``problem.py``), made monotone
-in the budget by choosing from a budget-independent family (NOTE [Option family]).
+in the budget by choosing from a budget-independent family (NOTE [Option family]) and chains from its members
+(NOTE [Option chains] in ``chains.py``).
 
 Growth: at the estimated peak, one unit switches to the option that frees the most bytes there per second it adds
 (one that frees bytes there for no added time first); repeat. The estimate is eager's curve plus the chosen
-options' effects, kept dense (:class:`Curve`). Trim: each unit of a fitting plan the estimate still fits without,
-the costliest first, is dropped; then each unit left moves to its cheapest option the estimate still fits, the
-moves that save the most first; the simulator checks, and where it disagrees the longest prefix of the drops and
-moves it accepts is kept.
+options' effects, on a peak tree (:class:`Curve`). Trim: each unit of a fitting plan the estimate still fits
+without, the costliest first, is dropped; then each unit left moves to its cheapest option the estimate still fits,
+the moves that save the most first; the simulator checks, and where it disagrees the longest prefix of the drops
+and moves it accepts is kept.
 
-NOTE [Option family]: a larger budget must never give a slower plan (NOTE [Monotone in the budget] in
-``front.py``), so the plan for ``b`` is the cheapest member, by simulated added seconds, of a family that does not
-depend on ``b`` whose simulated peak fits ``b``. The family:
+NOTE [Monotone in the budget]: a larger budget must never give a plan with a higher predicted step time. A plan
+that fits a budget fits every larger one, so choosing, for budget ``b``, the cheapest plan that fits ``b`` out of a
+family of candidate plans that does *not* depend on ``b`` is monotone by construction: a larger budget admits a
+superset of the candidates, and the cheapest of a superset costs no more. Growing a plan for ``b`` itself is not:
+the growth for some ``b1 < b2`` can be cheaper than the growth for ``b2``, and a pure planner cannot remember it
+(on small chains growth alone got slower with more memory at some budget steps: ``bench/planner_scaling.py``'s
+``monotonicity``). A candidate counts for ``b`` when the simulator's peak fits ``b`` (and, for a chain's state, its
+estimated peak too); both are properties of the candidate alone, and candidates are ranked by their simulated added
+seconds (a chain's exactly, by :class:`~libra.planner.simulate.TimeModel`), so equal plans tie exactly.
+
+NOTE [Option family]: the plan for ``b`` is the cheapest candidate, by simulated added seconds, of a family that does
+not depend on ``b`` whose simulated peak fits ``b`` (NOTE [Monotone in the budget]). The family:
 
 - the plans on the growth path from eager to the lowest estimated peak (the state after each switch, with no
   budget), trimmed at their own simulated peaks: growth that stops at the first plan under a budget adds a third
@@ -36,60 +46,68 @@ depend on ``b`` whose simulated peak fits ``b``. The family:
   the first pass the same again at the gap's middle (a plan that fits well inside a wide gap is often not one
   byte under its top); ``FILL_ROUNDS`` passes while they add members (more passes find more, each costing about as
   much as the last). Gaps narrower than ``GAP_MIN`` of the range from the lowest peak to eager's are left: few
-  budgets fall in them, and members a few kilobytes apart (a unit that frees little) make many.
+  budgets fall in them, and members a few kilobytes apart (a unit that frees little) make many;
+- from each member a budget can choose, a chain of single steps up to the peak of the member ``REACH`` above it
+  (NOTE [Option chains]): one unit at a time, growth and trim miss trades of a unit for more evictions in others,
+  and the members are sparse near a given budget.
 
-The planner takes the cheaper of this family's plan and the move-level front's (``front.py``), both chosen by the
-same rule, so the result stays monotone. Neither alone is enough (``bench/planner_family.py`` measures each): the
-front's chains trade a unit for more evictions in two others, which growth and trim, one unit at a time, do not, and
-its single moves reach keep-sets no option ordering lists; the family has two whole units where the front adds a
-third half-used one, units that fit alone, and the plans with offload. Selections of more than
-``FAMILY_MAX_UNITS`` units plan with the front alone.
+A large problem (more than ``LARGE`` units, ``problem.py``) has only the rate path's plans and ``RUNGS_LARGE`` rungs,
+untrimmed, and their chains: a chain's first steps take back what a plan does not need at no rise of its peak, as a
+trim would, and trims, pairs and gap fills cost time quadratic in the units there (NOTE [Option family cost]).
 
 The growth path cannot cycle: a unit only moves to an option that frees more bytes at the current peak than its
 current one, and each option is taken at most once on the path, so it has at most as many steps as options.
 
-NOTE [Option family cost]: a growth step costs O(options) to rank every option at the peak (each option's effect
-there is remembered per op, and the peaks fall on few ops) plus O(ops) to move the dense estimate; the family runs
-the simulator once per member and O(log k) more times per trim of a k-unit plan, and the gap fills add at most
-``FILL_ROUNDS`` growths per member the rule can choose. Members are built once per selection and shared by every
-budget.
+NOTE [Option family cost]: a growth step costs O(log options) to find the best option at the peak (:class:`_Ranking`:
+lazily re-scored, ranked again in O(options) when the peak moves to another op, which on the profiles measured it
+does a handful of times per growth) plus O(log n) per point of the option's effect to move the estimate; the
+family runs the simulator once per member and O(log k) more times per trim of a k-unit plan, whose checks cost the
+length of each unit's effect (dense: why large problems are not trimmed), and the gap fills add at most
+``FILL_ROUNDS`` growths per member the rule can choose. A chain costs O(log n) per point per step. Members and
+chains are built once per selection and shared by every budget.
 """
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
-from libra.planner.problem import Choice, Problem
+from libra.planner.problem import LARGE, Choice, Problem
 from libra.planner.simulate import State
-from libra.planner.solvers.effects import longest_prefix
+from libra.planner.solvers.chains import Chain, neighbours
+from libra.planner.solvers.effects import PeakTree, longest_prefix
 
 __all__ = ["Family", "grow", "path", "trim", "RUNGS", "PATH_PLANS"]
 
 RUNGS = 16
+RUNGS_LARGE = 32  # a large problem's members are untrimmed: more of them, the chains bridge the rest
 PATH_PLANS = 24  # a longer growth path has its first plans and this many more, evenly spaced, in the family
 FILL_ROUNDS = 4  # passes over the gaps between members (NOTE [Option family])
+REACH_LARGE = 2
+REACH = 4  # a chain stops once its estimated peak passes the member this many above its start (by peak)
 PAIRED = 64  # the best single options paired with each other (NOTE [Option family])
 GAP_MIN = 0.005  # narrower gaps, as a share of eager's peak less the lowest, are not filled (NOTE [Option family])
 _VERIFY_ROUNDS = 16
 
 
 class Curve:
-    """An estimated live-bytes curve (eager's plus options' effects), dense: an option's switch adds its dense
-    effect (``Problem.span``), and the peak is one ``argmax`` (a few microseconds for thousands of ops, less than
-    walking a tree per point of an option's effect)."""
+    """An estimated live-bytes curve (eager's plus options' effects) on a :class:`PeakTree`: an option's switch adds
+    its sparse effect in O(log n) per point (a unit's effect runs from its forward to its backward, so a dense add
+    would cost the length of the step), and the peak is the tree's root."""
 
     def __init__(self, problem: Problem, curve: np.ndarray) -> None:
         self.problem = problem
-        self.values = np.array(curve[: problem.n_t], dtype=np.int64)
+        self.tree = PeakTree(np.asarray(curve[: problem.n_t], dtype=np.int64))
 
     def peak(self) -> tuple[int, int]:
         """(largest value, first op where it is reached)."""
-        t = int(np.argmax(self.values))
-        return int(self.values[t]), t
+        return self.tree.peak()
 
     def add(self, o: int, sign: int = 1) -> None:
-        lo, eff = self.problem.span(o)
-        self.values[lo: lo + eff.size] += sign * eff
+        pos, val = self.problem.points(o, clipped=True)
+        self.tree.add_points(pos, val, sign)
+        self.tree.forget()
 
 
 def _switch(problem: Problem, curve: Curve, choice: Choice, ui: int, o: int | None) -> None:
@@ -115,29 +133,88 @@ def _added(problem: Problem, unit_terms: np.ndarray, which=None, totals: np.ndar
     return problem.sim.added_seconds(after.T) - problem.sim.added_seconds(totals)
 
 
-def _best_switch(problem: Problem, curve: Curve, current: np.ndarray, unit_terms: np.ndarray,
-                 over: int | None, used: np.ndarray | None, by_bytes: bool = False) -> int | None:
-    """The option to switch to at the estimated peak (None when none frees bytes there): the most bytes freed per
-    second added (``by_bytes``: the most bytes), one that adds no time first; bytes beyond ``over`` (what the peak
-    is above the budget) count as ``over``."""
-    _, t = curve.peak()
-    vals = problem.values_at(t)
-    now = np.where(current >= 0, vals[np.maximum(current, 0)], 0)
-    red = now[problem.unit_of] - vals
-    added = _added(problem, unit_terms)
-    open_ = red > 0
-    if used is not None:
-        open_ &= ~used
-    open_[current[current >= 0]] = False
-    if not open_.any():
+class _Ranking:
+    """The options at the estimated peak's op ``t``, best first (:func:`_growth`'s rule), ranked lazily: an option's
+    score is computed again when it comes up, and goes back if it fell below the next one. Scores only fall while
+    the peak stays at ``t`` (a unit's switch frees bytes there, so its other options free less, and the plan's
+    seconds grow; the bytes still over the budget shrink), except for the switched unit's own options, whose
+    seconds are counted from its new option: those are ranked again. So the first option that keeps its score is
+    the best one, and a growth step costs O(log options) where ranking every option costs O(options)."""
+
+    def __init__(self, problem: Problem, t: int, current: np.ndarray, unit_terms: np.ndarray, totals: np.ndarray,
+                 used: np.ndarray, by_bytes: bool, over: int | None) -> None:
+        self.problem, self.t, self.by_bytes = problem, t, by_bytes
+        self.vals = problem.values_at(t)
+        vals = self.vals
+        now = np.where(current >= 0, vals[np.maximum(current, 0)], 0)
+        red = now[problem.unit_of] - vals
+        added = _added(problem, unit_terms, None, totals)
+        open_ = (red > 0) & ~used
+        open_[current[current >= 0]] = False
+        # by bytes, equal ones go to the cheaper: the seconds scaled under one byte, by this scale
+        self.scale = float(added.max()) + 1.0 if added.size else 1.0
+        self.version = np.zeros(problem.n_units, dtype=np.int64)
+        idx = np.flatnonzero(open_)
+        k0, k1 = self._keys(red[idx], added[idx], over)
+        self.heap = list(zip((-k0).tolist(), (-k1).tolist(), idx.tolist(), [0] * idx.size))
+        heapq.heapify(self.heap)
+
+    def _keys(self, red, added, over):
+        """``(class, score)``, larger first: an option that adds no time first, by bytes freed; then by bytes freed
+        per second added (``by_bytes``: by bytes, the cheaper of equal ones); bytes beyond ``over`` count as
+        ``over``."""
+        gain = red if over is None else np.minimum(red, over)
+        free = added <= 0
+        if self.by_bytes:
+            score = gain - np.maximum(added, 0.0) / self.scale
+        else:
+            score = gain / np.maximum(added, 1e-15)
+        return free.astype(np.float64), np.where(free, red, score).astype(np.float64)
+
+    def rerank(self, ui: int, current: np.ndarray, unit_terms: np.ndarray, totals: np.ndarray,
+               used: np.ndarray, over: int | None) -> None:
+        """Unit ``ui`` switched: its options' scores start again from its new option."""
+        self.version[ui] += 1
+        mine = self.problem.unit_options(ui)
+        red = self.vals[current[ui]] - self.vals[mine] if current[ui] >= 0 else -self.vals[mine]
+        added = _added(self.problem, unit_terms, mine, totals)
+        ok = (red > 0) & ~used[mine] & (mine != current[ui])
+        k0, k1 = self._keys(red[ok], added[ok], over)
+        v = int(self.version[ui])
+        for a, b, o in zip((-k0).tolist(), (-k1).tolist(), mine[ok].tolist()):
+            heapq.heappush(self.heap, (a, b, o, v))
+
+    def pop(self, current: np.ndarray, unit_terms: np.ndarray, totals: np.ndarray, used: np.ndarray,
+            over: int | None) -> int | None:
+        """The best option still open, scored as things are now; None when none frees bytes at ``t``."""
+        pr, heap, vals = self.problem, self.heap, self.vals
+        terms = pr.term_tuples
+        step = float(pr.sim.profile.eager_step_seconds)
+        b, e, la = totals.tolist()
+        before = b + max(e, la - step)  # Simulator.added_seconds, in plain floats
+        while heap:
+            entry = heapq.heappop(heap)
+            o = entry[2]
+            ui = int(pr.unit_of[o])
+            if entry[3] != self.version[ui] or used[o] or current[ui] == o:
+                continue
+            red = (int(vals[current[ui]]) if current[ui] >= 0 else 0) - int(vals[o])
+            if red <= 0:
+                continue
+            nb, ne, nl = terms[o]
+            ob, oe, ol = terms[current[ui]] if current[ui] >= 0 else (0.0, 0.0, 0.0)
+            added = (b + nb - ob) + max(e + ne - oe, la + nl - ol - step) - before
+            if added <= 0:
+                fresh = (-1.0, -float(red), o, entry[3])
+            else:
+                gain = red if over is None else min(red, over)
+                score = gain - added / self.scale if self.by_bytes else gain / max(added, 1e-15)
+                fresh = (-0.0, -float(score), o, entry[3])
+            if heap and fresh > heap[0]:
+                heapq.heappush(heap, fresh)
+                continue
+            return o
         return None
-    free = open_ & (added <= 0)
-    if free.any():
-        return int(np.flatnonzero(free)[np.argmax(red[free])])
-    gain = red if over is None else np.minimum(red, over)
-    if by_bytes:  # the most bytes; of equal ones the cheapest (the added seconds scaled under one byte)
-        return int(np.argmax(np.where(open_, gain - np.maximum(added, 0.0) / (added.max() + 1.0), -np.inf)))
-    return int(np.argmax(np.where(open_, gain / np.maximum(added, 1e-15), -np.inf)))
 
 
 def _arrays(problem: Problem, choice: Choice) -> tuple[np.ndarray, np.ndarray]:
@@ -151,23 +228,31 @@ def _arrays(problem: Problem, choice: Choice) -> tuple[np.ndarray, np.ndarray]:
 
 def _growth(problem: Problem, choice: Choice, curve: Curve, budget: int | None = None, by_bytes: bool = False):
     """Switches units, one per step, to the best option at the estimated peak (``choice`` and ``curve`` change in
-    place), yielding after each; ends when no option frees bytes at the peak, or when the peak fits ``budget``.
-    Each option is taken at most once."""
+    place), yielding each switch ``(unit, option)``; ends when no option frees bytes at the peak, or when the peak
+    fits ``budget``. The best: the most bytes freed per second added (``by_bytes``: the most bytes), one that adds
+    no time first; bytes beyond what the peak is over the budget count as that much. Each option is taken at most
+    once."""
     current, unit_terms = _arrays(problem, choice)
+    totals = unit_terms.sum(axis=0)
     used = np.zeros(len(problem.options), dtype=bool)
     used[current[current >= 0]] = True
+    ranking = None
     while True:
-        peak, _ = curve.peak()
+        peak, t = curve.peak()
         if budget is not None and peak <= budget:
             return
-        o = _best_switch(problem, curve, current, unit_terms, None if budget is None else peak - budget, used,
-                         by_bytes)
+        over = None if budget is None else peak - budget
+        if ranking is None or ranking.t != t:
+            ranking = _Ranking(problem, t, current, unit_terms, totals, used, by_bytes, over)
+        o = ranking.pop(current, unit_terms, totals, used, over)
         if o is None:
             return
         ui = int(problem.unit_of[o])
         _switch(problem, curve, choice, ui, o)
+        totals += problem.terms[o] - unit_terms[ui]
         current[ui], unit_terms[ui], used[o] = o, problem.terms[o], True
-        yield
+        ranking.rerank(ui, current, unit_terms, totals, used, over)
+        yield ui, o
 
 
 def grow(problem: Problem, budget: int, choice: Choice, curve: Curve) -> bool:
@@ -178,11 +263,24 @@ def grow(problem: Problem, budget: int, choice: Choice, curve: Curve) -> bool:
     return curve.peak()[0] <= budget
 
 
-def path(problem: Problem, by_bytes: bool = False) -> list[Choice]:
-    """The growth path with no budget: the choice after each switch, from eager to the lowest estimated peak,
-    ranked by rate or (``by_bytes``) by bytes freed (NOTE [Option family])."""
+def path(problem: Problem, by_bytes: bool = False, first: int = PATH_PLANS) -> list[Choice]:
+    """The growth path with no budget, from eager to the lowest estimated peak, ranked by rate or (``by_bytes``) by
+    bytes freed (NOTE [Option family]): the choice after each of its ``first`` switches, and after ``PATH_PLANS``
+    more evenly spaced where it is longer than ``first + PATH_PLANS``."""
     choice: Choice = {}
-    return [dict(choice) for _ in _growth(problem, choice, Curve(problem, problem.eager), by_bytes=by_bytes)]
+    steps = list(_growth(problem, choice, Curve(problem, problem.eager), by_bytes=by_bytes))
+    n = len(steps)
+    wanted = range(1, n + 1)
+    if n > first + PATH_PLANS:  # the first ones, where units are few, and the rest evenly spaced
+        rest = n - first
+        wanted = sorted(set(range(1, first + 1)) | {first + 1 + rest * i // PATH_PLANS for i in range(PATH_PLANS)})
+    out, choice, done = [], {}, 0
+    for k in wanted:
+        for ui, o in steps[done:k]:
+            choice[ui] = o
+        done = k
+        out.append(dict(choice))
+    return out
 
 
 def _cheaper(problem: Problem, budget: int, ui: int, o: int, curve: np.ndarray, unit_terms: np.ndarray,
@@ -356,20 +454,53 @@ class Family:
 
     Args:
         problem: the units' options.
+        floor: the lowest peak the planner reaches (``Selection.minimum``): a large problem's rungs start there.
     """
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: Problem, floor: int | None = None) -> None:
         self.problem = problem
+        self.floor = int(problem.eager.max()) if floor is None else int(floor)
         self._members: list[tuple[float, int, State]] | None = None  # (added seconds, simulated peak, state)
+        # every candidate, cheapest first: (simulated added seconds, estimated peak, chain or None, state i of
+        # it or member index); and the simulated peaks of chain states verified so far
+        self._candidates: list[tuple[float, int, Chain | None, int]] = []
+        self._verified: dict[tuple[int, int], int] = {}
 
     @property
     def members(self) -> list[tuple[float, int, State]]:
         """``(simulated added seconds, simulated peak, state)`` of every member, cheapest first."""
         if self._members is None:
-            self._members = self._build()
+            found = self._build()
+            self._members = sorted(((added, peak, self.problem.state(choice))
+                                    for added, peak, choice, _ in found), key=lambda m: (m[0], m[1], len(m[2])))
+            self._candidates = self._chains(found)
         return self._members
 
-    def _build(self) -> list[tuple[float, int, State]]:
+    def _chains(self, found: list[tuple[float, int, Choice, np.ndarray]]) -> list[tuple]:
+        """The chains from the members a budget can choose (NOTE [Option chains]), each up to the peak of the
+        member ``REACH`` above its own, and every candidate, members included, cheapest first."""
+        pr = self.problem
+        near: dict[int, list[int]] = {}
+        diffs: dict = {}
+
+        def nearby(o: int) -> list[int]:
+            got = near.get(o)
+            if got is None:
+                got = near[o] = neighbours(pr, o)
+            return got
+
+        out = [(m[0], m[1], None, i) for i, m in enumerate(self._members)]
+        choosable = _choosable(found)
+        for k, (_, _, choice, live) in enumerate(choosable):
+            if not choice:
+                continue
+            reach = REACH_LARGE if pr.n_units > LARGE else REACH
+            ceiling = choosable[k + reach][1] if k + reach < len(choosable) else None
+            chain = Chain(pr, choice, live, ceiling, nearby, diffs)
+            out.extend((float(chain.costs[i]), int(chain.peaks[i]), chain, i) for i in range(1, len(chain.steps) + 1))
+        return sorted(out, key=lambda c: (c[0], c[1], c[2] is not None, c[3]))
+
+    def _build(self) -> list[tuple[float, int, Choice, np.ndarray]]:
         pr, sim = self.problem, self.problem.sim
         # (simulated added seconds, simulated peak, choice, simulated curve): the gap fills trim members again
         found: dict[tuple, tuple[float, int, Choice, np.ndarray]] = {}
@@ -392,13 +523,18 @@ class Family:
             found[key] = (added, int(live.max()), dict(choice), live)
             return True
 
+        top = int(pr.eager.max())
+        if pr.n_units > LARGE:  # the rungs alone, from the floor, untrimmed and unverified (NOTE [Option family])
+            choice, curve = {}, Curve(pr, pr.eager)
+            for i in reversed(range(RUNGS_LARGE)):
+                if not grow(pr, self.floor + (top - self.floor) * i // RUNGS_LARGE, choice, curve):
+                    break
+                add(choice)
+            return list(found.values())
         lowest = int(pr.eager.max())
         grown: dict[tuple, Choice] = {}  # the plans of both paths, each once
         for by_bytes in (False, True):
             one = path(pr, by_bytes)
-            if len(one) > 2 * PATH_PLANS:  # the first ones, where units are few, and the rest evenly spaced
-                rest = len(one) - PATH_PLANS
-                one = one[:PATH_PLANS] + [one[PATH_PLANS + rest * i // PATH_PLANS] for i in range(PATH_PLANS)]
             grown.update((tuple(sorted(c.items())), c) for c in one)
         for choice in grown.values():
             live, _ = simulate(choice)
@@ -408,7 +544,6 @@ class Family:
         for choice in _few(pr):
             add(choice)
         lowest = min([lowest] + [m[1] for m in found.values()])
-        top = int(pr.eager.max())
         # one growth down the rungs, from the highest: each rung's plan goes on from the last one's, untrimmed
         choice: Choice = {}
         curve = Curve(pr, pr.eager)
@@ -436,14 +571,25 @@ class Family:
                     new |= add(trim(pr, at, low, low_live, simulate)[0])
             if not new:
                 break
-        members = [(added, peak, pr.state(choice)) for added, peak, choice, _ in found.values()]
-        return sorted(members, key=lambda m: (m[0], m[1], len(m[2])))
+        return list(found.values())
 
     def solve(self, budget: int) -> State | None:
-        """The cheapest member whose simulated peak fits ``budget``; None when none does."""
-        if self.problem.eager.max() <= budget:
+        """The cheapest candidate (a member, or a state of a chain from one) whose simulated peak fits ``budget``,
+        and for a chain's state its estimated peak too (both properties of the candidate alone: NOTE [Monotone in
+        the budget]); None when none does."""
+        pr = self.problem
+        if pr.eager.max() <= budget:
             return {}
-        for _, peak, state in self.members:
-            if peak <= budget:
-                return state
+        members = self.members
+        for cost, peak, chain, i in self._candidates:
+            if peak > budget:
+                continue
+            if chain is None:
+                return members[i][2]
+            key = (id(chain), i)
+            got = self._verified.get(key)
+            if got is None:
+                got = self._verified[key] = pr.sim.run(pr.state(chain.choice(i))).peak_bytes
+            if got <= budget:
+                return pr.state(chain.choice(i))
         return None
