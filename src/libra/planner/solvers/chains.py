@@ -15,10 +15,12 @@ activations the whole-unit steps gave 1.4173x eager, single steps 1.4062x, the e
 The estimate is the member's simulated curve plus the steps' effects (the difference of the two options' sparse
 effects, on a :class:`PeakTree`); the cost the simulator's, exactly (:class:`~libra.planner.simulate.TimeModel`),
 so a candidate chosen by cost is verified for its peak alone and the rule stays monotone (NOTE [Monotone in the
-budget] in ``options.py``). Steps are offered scored 0, a lower bound, and scored exactly when they come up; a step
-scored worse than the next one goes back (its score also goes stale as the curve moves). Cost: per step O(log n)
-per point of the changed effect and the re-scoring of the steps that come up; a unit's neighbours are found by
-index, once per option, and the difference of two options once per family.
+budget] in ``options.py``). The first steps, every unit's, are scored at once on the start's curve (a sparse table
+of its maxima: most of a chain's scoring, as a chain takes a few steps); the steps a move opens are offered scored
+0, a lower bound, and scored exactly when they come up; a step scored worse than the next one goes back (its score
+also goes stale as the curve moves). Cost: O(n log n) for the table, per step O(log n) per point of the changed
+effect and the re-scoring of the steps that come up; a unit's neighbours are found by index, once per option, and
+the difference of two options once per family.
 """
 
 from __future__ import annotations
@@ -72,6 +74,20 @@ def neighbours(problem: Problem, o: int) -> list[int]:
     return out
 
 
+def _range_max(curve: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``curve[lo[i]:hi[i] + 1].max()`` for every i, from a sparse table of the curve's maxima over spans of 2**k."""
+    level = np.log2(hi - lo + 1).astype(np.int64)
+    table = [curve]
+    for k in range(1, int(level.max()) + 1):
+        half = 1 << (k - 1)
+        table.append(np.maximum(table[-1][:-half], table[-1][half:]))
+    out = np.empty(len(lo), dtype=np.int64)
+    for k in np.unique(level).tolist():
+        at = level == k
+        out[at] = np.maximum(table[k][lo[at]], table[k][hi[at] - (1 << k) + 1])
+    return out
+
+
 class Chain:
     """One chain from ``choice`` (NOTE [Option chains]): ``steps[i]`` is ``(unit, option or -1)``, state ``i`` the
     choice with the first ``i`` steps made, its estimated peak ``peaks[i]`` and simulated added seconds
@@ -92,7 +108,8 @@ class Chain:
         near = near or (lambda x: neighbours(problem, x))
         sim = problem.sim
         n_t = problem.n_t
-        tree = PeakTree(np.asarray(live[:n_t], dtype=np.int64))
+        base = np.asarray(live[:n_t], dtype=np.int64)
+        tree = PeakTree(base)
         current = dict(choice)
         tm = TimeModel(sim, problem.state(current))
         terms = problem.term_tuples
@@ -154,17 +171,33 @@ class Chain:
 
         def push(ui: int, cur: int) -> None:
             """Offers unit ``ui``'s steps from ``cur``, scored 0 (no step raises the peak less: the score is a
-            lower bound, made exact when the step comes up): most steps are never scored."""
+            lower bound, made exact when the step comes up)."""
+            for o, saved in steps(ui, cur):
+                heapq.heappush(heap, (0.0, -saved, ui, o, cur))
+
+        def steps(ui: int, cur: int):
+            """Unit ``ui``'s steps from ``cur`` that save time, with the seconds each saves."""
             opt = problem.options[cur]
             last = opt.mode is not Mode.MODES or len(sim.units[ui].candidates) - len(opt.keep) <= 1
             now = added(totals)
             for o in ([_DROP] if last else []) + near(cur):
                 saved = now - added(switched(totals, cur, o))
                 if saved > 0:
-                    heapq.heappush(heap, (0.0, -saved, ui, o, cur))
+                    yield o, saved
 
-        for ui, cur in current.items():
-            push(ui, cur)
+        # the first steps scored at once, from the start's curve (most of a chain's scoring: a chain takes a few
+        # steps, and every unit's steps are scored before the first)
+        first = [(ui, cur, o, saved) for ui, cur in current.items() for o, saved in steps(ui, cur)]
+        if first:
+            rises = [diff(cur, o)[2] for _, cur, o, _ in first]
+            owner = np.repeat(np.arange(len(first)), [len(r) for r in rises])
+            spans = np.array([x for r in rises for x in r], dtype=np.int64).reshape(-1, 3)
+            high = np.full(len(first), peaks[0], dtype=np.int64)
+            if len(spans):
+                np.maximum.at(high, owner, _range_max(base, spans[:, 0], spans[:, 1]) + spans[:, 2])
+            score = (high - peaks[0]).tolist()
+            heap = [(score[i] / saved, -saved, ui, o, cur) for i, (ui, cur, o, saved) in enumerate(first)]
+            heapq.heapify(heap)
         while heap and (ceiling is None or peaks[-1] <= ceiling):
             stale = heapq.heappop(heap)
             ui, o, cur = stale[2], stale[3], stale[4]
