@@ -13,14 +13,15 @@ its first ones', where keeping them one by one finds the cheap ones to keep (on 
 activations the whole-unit steps gave 1.4173x eager, single steps 1.4062x, the exact program 1.406x).
 
 The estimate is the member's simulated curve plus the steps' effects (the difference of the two options' sparse
-effects, on a :class:`PeakTree`); the cost the simulator's, exactly (:class:`~libra.planner.simulate.TimeModel`),
-so a candidate chosen by cost is verified for its peak alone and the rule stays monotone (NOTE [Monotone in the
-budget] in ``options.py``). The first steps, every unit's, are scored at once on the start's curve (a sparse table
-of its maxima: most of a chain's scoring, as a chain takes a few steps); the steps a move opens are offered scored
-0, a lower bound, and scored exactly when they come up; a step scored worse than the next one goes back (its score
-also goes stale as the curve moves). Cost: O(n log n) for the table, per step O(log n) per point of the changed
-effect and the re-scoring of the steps that come up; a unit's neighbours are found by index, once per option, and
-the difference of two options once per family.
+effects, on a :func:`~libra.planner.solvers.effects.peak_curve`); the cost the simulator's, exactly
+(:class:`~libra.planner.simulate.TimeModel`), so a candidate chosen by cost is verified for its peak alone and the
+rule stays monotone (NOTE [Monotone in the budget] in ``options.py``). The first steps, every unit's, are scored at
+once on the start's curve (a sparse table of its maxima: most of a chain's scoring, as a chain takes a few steps);
+the steps a move opens are offered scored 0, a lower bound, and scored exactly when they come up; a step scored
+worse than the next one goes back (its score also goes stale as the curve moves). Cost: O(n log n) for the table,
+per step O(log n) (a long profile's tree) or O(n) in numpy (a short one's array) per point of the changed effect and
+the re-scoring of the steps that come up; a unit's neighbours are found by index, once per option, and the
+difference of two options once per family.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 
 from libra.planner.problem import Choice, Mode, Option, Problem
 from libra.planner.simulate import TimeModel
-from libra.planner.solvers.effects import PeakTree
+from libra.planner.solvers.effects import peak_curve
 
 __all__ = ["Chain", "neighbours"]
 
@@ -109,7 +110,7 @@ class Chain:
         sim = problem.sim
         n_t = problem.n_t
         base = np.asarray(live[:n_t], dtype=np.int64)
-        tree = PeakTree(base)
+        tree = peak_curve(base)
         current = dict(choice)
         tm = TimeModel(sim, problem.state(current))
         terms = problem.term_tuples

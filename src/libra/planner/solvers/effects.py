@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["PeakTree", "RECOMPUTE", "OFFLOAD", "longest_prefix"]
+__all__ = ["PeakTree", "DenseCurve", "peak_curve", "RECOMPUTE", "OFFLOAD", "longest_prefix"]
 
 RECOMPUTE, OFFLOAD = "recompute", "offload"
 
@@ -153,6 +153,41 @@ class PeakTree:
 
     def curve(self) -> np.ndarray:
         return np.cumsum(np.array(self._sum[self.size:self.size + self.n], dtype=np.int64))
+
+
+class DenseCurve:
+    """:class:`PeakTree`'s interface over a plain array: a change of the difference array costs O(n) in numpy and the
+    peak one ``argmax``, which for a few thousand ops is less than building and walking a tree."""
+
+    def __init__(self, curve: np.ndarray) -> None:
+        self.values = np.array(curve, dtype=np.int64)
+        self.n = len(self.values)
+
+    def peak(self) -> tuple[int, int]:
+        t = int(np.argmax(self.values))
+        return int(self.values[t]), t
+
+    def range_max(self, a: int, b: int) -> int:
+        return int(self.values[a:b + 1].max())
+
+    def add_points(self, pos, val, sign: int = 1) -> None:
+        if len(pos):
+            delta = np.zeros(self.n, dtype=np.int64)
+            np.add.at(delta, np.asarray(pos, dtype=np.int64), np.asarray(val, dtype=np.int64) * sign)
+            self.values += np.cumsum(delta)
+
+    def forget(self) -> None:
+        pass
+
+
+DENSE_OPS = 16384
+
+
+def peak_curve(curve: np.ndarray) -> "PeakTree | DenseCurve":
+    """A curve that keeps its peak under changes of its difference array: dense up to ``DENSE_OPS`` points, else
+    on a :class:`PeakTree` (a unit's effect spans its forward to its backward, so on long profiles a dense change
+    costs the length of the step where the tree costs O(log n) per point)."""
+    return DenseCurve(curve) if len(curve) <= DENSE_OPS else PeakTree(curve)
 
 
 def longest_prefix(n: int, fits) -> int:

@@ -4,7 +4,7 @@ in the budget by choosing from a budget-independent family (NOTE [Option family]
 
 Growth: at the estimated peak, one unit switches to the option that frees the most bytes there per second it adds
 (one that frees bytes there for no added time first); repeat. The estimate is eager's curve plus the chosen
-options' effects, on a peak tree (:class:`Curve`). Trim: each unit of a fitting plan the estimate still fits
+options' effects (:class:`Curve`). Trim: each unit of a fitting plan the estimate still fits
 without, the costliest first, is dropped; then each unit left moves to its cheapest option the estimate still fits,
 the moves that save the most first; the simulator checks, and where it disagrees the longest prefix of the drops
 and moves it accepts is kept.
@@ -53,18 +53,15 @@ not depend on ``b`` whose simulated peak fits ``b`` (NOTE [Monotone in the budge
 
 A large problem (more than ``LARGE`` units, ``problem.py``) has only the rate path's plans and ``RUNGS_LARGE`` rungs,
 untrimmed, and their chains: a chain's first steps take back what a plan does not need at no rise of its peak, as a
-trim would, and trims, pairs and gap fills cost time quadratic in the units there (NOTE [Option family cost]).
-
-The growth path cannot cycle: a unit only moves to an option that frees more bytes at the current peak than its
-current one, and each option is taken at most once on the path, so it has at most as many steps as options.
-
-NOTE [Option family cost]: a growth step costs O(log options) to find the best option at the peak (:class:`_Ranking`:
-lazily re-scored, ranked again in O(options) when the peak moves to another op, which on the profiles measured it
-does a handful of times per growth) plus O(log n) per point of the option's effect to move the estimate; the
-family runs the simulator once per member and O(log k) more times per trim of a k-unit plan, whose checks cost the
-length of each unit's effect (dense: why large problems are not trimmed), and the gap fills add at most
-``FILL_ROUNDS`` growths per member the rule can choose. A chain costs O(log n) per point per step. Members and
-chains are built once per selection and shared by every budget.
+trim would, and trims, pairs and gap fills cost time quadratic in the units there (NOTE [Option family cost]). The growth path cannot cycle: a unit only moves to an option that frees more bytes at
+the current peak than its current one, and each option is taken at most once on the path, so it has at most as many
+steps as options. NOTE [Option family cost]: a growth step costs O(log options) to find the best option at the peak
+(:class:`_Ranking`: lazily re-scored, ranked again in O(options) when the peak moves to another op, which on the
+profiles measured it does a handful of times per growth) plus O(log n) per point of the option's effect to move the
+estimate (O(n) in numpy on a short profile: :func:`peak_curve`); the family runs the simulator once per member and
+O(log k) more times per trim of a k-unit plan, whose checks cost the length of each unit's effect (dense: why large
+problems are not trimmed), and the gap fills add at most ``FILL_ROUNDS`` growths per member the rule can choose. A
+chain costs O(log n) per point per step. Members and chains are built once per selection and shared by every budget.
 """
 
 from __future__ import annotations
@@ -76,7 +73,7 @@ import numpy as np
 from libra.planner.problem import LARGE, Choice, Problem
 from libra.planner.simulate import State
 from libra.planner.solvers.chains import Chain, neighbours
-from libra.planner.solvers.effects import PeakTree, longest_prefix
+from libra.planner.solvers.effects import longest_prefix, peak_curve
 
 __all__ = ["Family", "grow", "path", "trim", "RUNGS", "PATH_PLANS"]
 
@@ -92,13 +89,12 @@ _VERIFY_ROUNDS = 16
 
 
 class Curve:
-    """An estimated live-bytes curve (eager's plus options' effects) on a :class:`PeakTree`: an option's switch adds
-    its sparse effect in O(log n) per point (a unit's effect runs from its forward to its backward, so a dense add
-    would cost the length of the step), and the peak is the tree's root."""
+    """An estimated live-bytes curve (eager's plus options' effects) that keeps its peak (:func:`peak_curve`): an
+    option's switch adds its sparse effect."""
 
     def __init__(self, problem: Problem, curve: np.ndarray) -> None:
         self.problem = problem
-        self.tree = PeakTree(np.asarray(curve[: problem.n_t], dtype=np.int64))
+        self.tree = peak_curve(np.asarray(curve[: problem.n_t], dtype=np.int64))
 
     def peak(self) -> tuple[int, int]:
         """(largest value, first op where it is reached)."""
