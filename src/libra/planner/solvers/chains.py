@@ -149,7 +149,7 @@ class Chain:
                         end = pos[i + 1] - 1 if i + 1 < len(pos) else n_t - 1
                         if end >= p:
                             rises.append((p, end, run))
-                got = diffs[(cur, o)] = (pos, val, rises)
+                got = diffs[(cur, o)] = (pos, val, rises, np.array(rises, dtype=np.int64).reshape(-1, 3))
             return got
 
         def rise(rises) -> int:
@@ -190,9 +190,9 @@ class Chain:
         # steps, and every unit's steps are scored before the first)
         first = [(ui, cur, o, saved) for ui, cur in current.items() for o, saved in steps(ui, cur)]
         if first:
-            rises = [diff(cur, o)[2] for _, cur, o, _ in first]
+            rises = [diff(cur, o)[3] for _, cur, o, _ in first]
             owner = np.repeat(np.arange(len(first)), [len(r) for r in rises])
-            spans = np.array([x for r in rises for x in r], dtype=np.int64).reshape(-1, 3)
+            spans = np.concatenate(rises)
             high = np.full(len(first), peaks[0], dtype=np.int64)
             if len(spans):
                 np.maximum.at(high, owner, _range_max(base, spans[:, 0], spans[:, 1]) + spans[:, 2])
@@ -210,7 +210,7 @@ class Chain:
             if heap and fresh > stale and fresh > heap[0]:
                 heapq.heappush(heap, fresh)
                 continue
-            pos, val, _ = diff(cur, o)
+            pos, val = diff(cur, o)[:2]
             tree.add_points(pos, val)
             tree.forget()
             totals = switched(totals, cur, o)
