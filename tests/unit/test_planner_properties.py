@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 import libra
 from libra.planner import Planning
 from libra.planner.simulate import EARLY, HOOKED, PLAIN, TimeModel
-from libra.planner.solvers.effects import PeakTree
+from libra.planner.solvers.chains import _range_max
+from libra.planner.solvers.effects import DenseCurve, PeakTree
 from libra.planner.solvers import milp
 from libra.testing.synthetic import chain_profile
 
@@ -162,15 +163,17 @@ def test_time_model_and_effects_agree_with_the_simulator(prof, bandwidth, seed):
         choice = {int(pr.unit_of[o]): o}
         assert np.array_equal(sim.live(pr.state(choice))[0], pr.estimate(choice))
     choice = {ui: rng.choice(pr.of_unit[ui]) for ui in range(pr.n_units) if pr.of_unit[ui] and rng.random() < 0.5}
-    tree = PeakTree(pr.eager)
-    for o in choice.values():
-        tree.add_points(*pr.points(o, clipped=True))
     curve = pr.estimate(choice)
-    assert np.array_equal(tree.curve(), curve)
-    assert tree.peak() == (int(curve.max()), int(np.argmax(curve)))
-    a = rng.randrange(len(curve))
-    b = rng.randrange(a, len(curve))
-    assert tree.range_max(a, b) == curve[a:b + 1].max()
+    lo = np.array([rng.randrange(len(curve)) for _ in range(20)])
+    hi = np.array([rng.randrange(a, len(curve)) for a in lo.tolist()])
+    wanted = [curve[a:b + 1].max() for a, b in zip(lo, hi)]
+    assert _range_max(curve, lo, hi).tolist() == wanted  # the chains' first scoring
+    for tree in (PeakTree(pr.eager), DenseCurve(pr.eager)):  # the estimate of long and of short profiles
+        for o in choice.values():
+            tree.add_points(*pr.points(o, clipped=True))
+        assert tree.peak() == (int(curve.max()), int(np.argmax(curve)))
+        assert [tree.range_max(a, b) for a, b in zip(lo.tolist(), hi.tolist())] == wanted
+    assert np.array_equal(tree.values, curve)
 
 
 def test_lowest_state_simulates_a_handful_of_times():
@@ -186,3 +189,26 @@ def test_lowest_state_simulates_a_handful_of_times():
     assert len(calls) <= 12, len(calls)
     assert sel.sim.run(lowest).peak_bytes <= sel.full.peak_bytes
     assert len(lowest) < len(sel.full_state)  # the last blocks in forward gain nothing
+
+
+def test_the_estimate_on_a_tree_plans_as_the_dense_one(monkeypatch):
+    """Long profiles keep the estimated curve on a PeakTree, short ones as an array (``peak_curve``): the same
+    numbers either way, so the same plans (here a short profile planned both ways, with and without a host link)."""
+    from libra.planner.solvers import effects
+
+    prof = chain_profile(40, 5, seed=4)
+    budgets = [prof.budget_for_share(share) for share in (0.8, 0.5, 0.3)]
+
+    def plans():
+        out = []
+        for bandwidth in (None, 2e9):
+            planning = Planning(prof, host_bandwidth=bandwidth)
+            for b in budgets:
+                b = max(b, planning.min_budget_bytes())
+                p = libra.plan(planning, b)
+                out.append((p.predicted_peak_bytes, p.predicted_step_seconds, [(r.module, r.save) for r in p.regions]))
+        return out
+
+    dense = plans()
+    monkeypatch.setattr(effects, "DENSE_OPS", 0)
+    assert plans() == dense
