@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
 import libra
 from libra.cli.commands import load_factory
