@@ -38,6 +38,8 @@ from libra.planner import Planning
 from libra.runtime.apply import _ACTIVE_ATTR
 from libra.testing import AllocatorMeter, assert_grads_equal
 
+MISPREDICTED = Path(__file__).resolve().parent / "results" / "mispredicted"  # profiles whose plan measured above it
+
 MiB = 2**20
 KiB = 2**10
 STEPS = 3
@@ -396,6 +398,15 @@ def run_model(name, build, make_inputs, loss_fn, desc, steps: int = STEPS,
             del loss_o, loss_e
         seed_base += 100
         c["explain"] = plan.explain()[:6000]
+        above = [s["measured_peak_bytes"] - s["host_buffer_bytes"] - plans[s["shape"]].predicted_peak_bytes
+                 for s in c["steps"] if "measured_peak_bytes" in s]
+        if len(shapes) == 1 and above and max(above) > 0:
+            # a peak above its prediction is a miss of the simulator's: keep what it planned from, to replay it
+            # (libra.Profile.load, then libra.plan at c["budget_bytes"])
+            saved = MISPREDICTED / f"{name}-{case.rstrip('%')}.json.gz"
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            prof.save(saved)
+            c["profile_saved"] = str(saved.relative_to(Path(__file__).resolve().parents[1]))
         if len(shapes) > 1:  # a shape no plan was made for: raises before the step allocates (on_over_budget="raise")
             unplanned = {k: v[:, : v.shape[1] - 8] if v.dim() == 2 else v for k, v in inputs.items()}
             u: dict = {"step": "unplanned shape", "raised": False}
