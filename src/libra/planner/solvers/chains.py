@@ -130,16 +130,16 @@ class Chain:
         diffs = {} if diffs is None else diffs
 
         def diff(cur: int, o: int):
-            """The points of the switch from ``cur`` to ``o`` (-1: none), and where it raises the curve."""
+            """The points ``(pos, val)`` of the switch from ``cur`` to ``o`` (-1: none), and the ``(first op, last
+            op, bytes)`` spans where it raises the curve, as a list and as an array."""
             got = diffs.get((cur, o))
             if got is None:
                 merged: dict[int, int] = {}
                 for x, sign in ((o, 1), (cur, -1)):
                     if x == _DROP:
                         continue
-                    for p, v in zip(*problem.points(x)):
-                        if p < n_t:
-                            merged[p] = merged.get(p, 0) + sign * v
+                    for p, v in zip(*problem.points(x, clipped=True)):
+                        merged[p] = merged.get(p, 0) + sign * v
                 pos = sorted(p for p, v in merged.items() if v)
                 val = [merged[p] for p in pos]
                 rises, run = [], 0

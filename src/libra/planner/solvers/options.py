@@ -56,15 +56,18 @@ not depend on ``b`` whose simulated peak fits ``b`` (NOTE [Monotone in the budge
 
 A large problem (more than ``LARGE`` units, ``problem.py``) has only the rate path's plans and ``RUNGS_LARGE`` rungs,
 untrimmed, and their chains: a chain's first steps take back what a plan does not need at no rise of its peak, as a
-trim would, and trims, pairs and gap fills cost time quadratic in the units there (NOTE [Option family cost]). The growth path cannot cycle: a unit only moves to an option that frees more bytes at
-the current peak than its current one, and each option is taken at most once on the path, so it has at most as many
-steps as options. NOTE [Option family cost]: a growth step costs O(log options) to find the best option at the peak
-(:class:`_Ranking`: lazily re-scored, ranked again in O(options) when the peak moves to another op, which on the
-profiles measured it does a handful of times per growth) plus O(log n) per point of the option's effect to move the
-estimate (O(n) in numpy on a short profile: :func:`peak_curve`); the family runs the simulator once per member and
-O(log k) more times per trim of a k-unit plan, whose checks cost the length of each unit's effect (dense: why large
-problems are not trimmed), and the gap fills add at most ``FILL_ROUNDS`` growths per member the rule can choose. A
-chain costs O(log n) per point per step. Members and chains are built once per selection and shared by every budget.
+trim would, and trims, pairs and gap fills cost time quadratic in the units there (NOTE [Option family cost]).
+
+The growth path cannot cycle: a unit only moves to an option that frees more bytes at the current peak than its
+current one, and each option is taken at most once on the path, so it has at most as many steps as options.
+
+NOTE [Option family cost]: a growth step costs O(log options) to find the best option at the peak (:class:`_Ranking`:
+lazily re-scored, ranked again in O(options) when the peak moves to another op, which on the profiles measured it
+does a handful of times per growth) plus O(log n) per point of the option's effect to move the estimate (O(n) in
+numpy on a short profile: :func:`peak_curve`); the family runs the simulator once per member and O(log k) more times
+per trim of a k-unit plan, whose checks cost the length of each unit's effect (dense: why large problems are not
+trimmed), and the gap fills add at most ``FILL_ROUNDS`` growths per member the rule can choose. A chain costs O(log
+n) per point per step. Members and chains are built once per selection and shared by every budget.
 """
 
 from __future__ import annotations
@@ -478,7 +481,8 @@ class Family:
 
     def _chains(self, found: list[tuple[float, int, Choice, np.ndarray]]) -> list[tuple]:
         """The chains from the members a budget can choose (NOTE [Option chains]), each up to the peak of the
-        member ``REACH`` above its own or ``REACH_SHARE`` of the range above it, and every candidate, members included, cheapest first."""
+        member ``REACH`` above its own or ``REACH_SHARE`` of the range above it, and every candidate, members
+        included, cheapest first."""
         pr = self.problem
         near: dict[int, list[int]] = {}
         diffs: dict = {}
@@ -492,10 +496,10 @@ class Family:
         out = [(m[0], m[1], None, i) for i, m in enumerate(self._members)]
         choosable = _choosable(found)
         span = int(pr.eager.max()) - min((m[1] for m in choosable), default=0)
+        reach = REACH_LARGE if pr.n_units > LARGE else REACH
         for k, (_, _, choice, live) in enumerate(choosable):
             if not choice:
                 continue
-            reach = REACH_LARGE if pr.n_units > LARGE else REACH
             ceiling = choosable[k + reach][1] if k + reach < len(choosable) else None
             if ceiling is not None:
                 ceiling = max(ceiling, choosable[k][1] + int(REACH_SHARE * span))
